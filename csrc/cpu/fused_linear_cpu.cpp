@@ -1,0 +1,318 @@
+// CPU implementation of the fused-linear distillation ops: the same tiled algorithm as
+// the CUDA kernels (vocabulary tiles, per-row online state in float32, merge of
+// partial states, recompute backward), with the tile GEMMs done by ATen's BLAS.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "../fused_linear_params.h"
+#include "logit_tiles.h"
+
+namespace nitrobrew {
+namespace cpu {
+namespace {
+
+// Rows whose label is ignore_index take no part in the loss.
+std::vector<uint8_t> row_mask(const c10::optional<at::Tensor>& labels, const FusedLinearParams& p) {
+  std::vector<uint8_t> valid(p.num_rows, 1);
+  if (!labels.has_value()) return valid;
+  const at::Tensor l = labels->contiguous();
+  const int64_t* label = l.data_ptr<int64_t>();
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    valid[n] = label[n] != p.ignore_index;
+    TORCH_CHECK(!valid[n] || p.ce_weight == 0.0 || (label[n] >= 0 && label[n] < p.vocab_size),
+                "labels must be in [0, vocab_size = ", p.vocab_size, ") or equal ignore_index (",
+                p.ignore_index, ") when ce_weight > 0; row ", n, " has label ", label[n]);
+  }
+  return valid;
+}
+
+// Pass 1: one-pass KL state per row (also gives lse_s, lse_t for JSD), plus the
+// cross-entropy add-on's log-normalizer and label logit.
+template <typename acc_t>
+struct OnlineKLPass {
+  const FusedLinearParams& p;
+  const uint8_t* valid;
+  const int64_t* label;  // nullptr without labels
+  std::vector<KLState<acc_t>> kl;
+  std::vector<SoftmaxState<acc_t>> ce;
+  std::vector<acc_t> label_logit;
+
+  OnlineKLPass(const FusedLinearParams& params, const uint8_t* valid_rows, const int64_t* labels)
+      : p(params), valid(valid_rows), label(labels), kl(params.num_rows), ce(params.num_rows),
+        label_logit(params.num_rows, acc_t(0)) {}
+
+  void begin_vocab_tile(int64_t, int64_t) {}
+  void end_row_chunk(const LogitTile&) {}
+  void end_vocab_tile(int64_t, int64_t) {}
+
+  void visit_row(int64_t n, int64_t v0, int64_t cols, const acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) return;
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    // Reverse KL is weighted by the student, forward KL (and JSD's first pass) by the teacher.
+    const bool weight_by_student = p.kind == LossKind::kReverseKL;
+    const acc_t* zw = weight_by_student ? zs : zt;
+    const acc_t* zo = weight_by_student ? zt : zs;
+    acc_t max_w = zw[0], max_o = zo[0];
+    for (int64_t v = 1; v < cols; ++v) {
+      max_w = std::max(max_w, zw[v]);
+      max_o = std::max(max_o, zo[v]);
+    }
+    KLState<acc_t> part;
+    part.w.m = max_w * inv_t;
+    part.o.m = max_o * inv_t;
+    for (int64_t v = 0; v < cols; ++v) {
+      const acc_t w = zw[v] * inv_t, o = zo[v] * inv_t;
+      const acc_t e = exp_(w - part.w.m);
+      part.w.l += e;
+      part.a += e * (w - o);
+      part.o.l += exp_(o - part.o.m);
+    }
+    merge(kl[n], part);
+
+    if (p.ce_weight != 0.0) {
+      const acc_t max_s = weight_by_student ? max_w : max_o;
+      SoftmaxState<acc_t> ce_part;
+      ce_part.m = max_s;
+      for (int64_t v = 0; v < cols; ++v) ce_part.l += exp_(zs[v] - max_s);
+      merge(ce[n], ce_part);
+      const int64_t y = label[n];
+      if (y >= v0 && y < v0 + cols) label_logit[n] = zs[y - v0];
+    }
+  }
+};
+
+// Pass 2 of JSD: with lse_s and lse_t known, sums KL(q||M) and KL(p||M) per row.
+template <typename acc_t>
+struct MixturePass {
+  const FusedLinearParams& p;
+  const uint8_t* valid;
+  const acc_t* lse_s;
+  const acc_t* lse_t;
+  DivergenceParams<acc_t> div;
+  std::vector<acc_t> kl_q_m, kl_p_m;
+
+  MixturePass(const FusedLinearParams& params, const uint8_t* valid_rows, const acc_t* lse_s_rows,
+              const acc_t* lse_t_rows)
+      : p(params), valid(valid_rows), lse_s(lse_s_rows), lse_t(lse_t_rows),
+        div(divergence_params<acc_t>(params)), kl_q_m(params.num_rows, acc_t(0)),
+        kl_p_m(params.num_rows, acc_t(0)) {}
+
+  void begin_vocab_tile(int64_t, int64_t) {}
+  void end_row_chunk(const LogitTile&) {}
+  void end_vocab_tile(int64_t, int64_t) {}
+
+  void visit_row(int64_t n, int64_t, int64_t cols, const acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) return;
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    acc_t sum_q = 0, sum_p = 0;
+    for (int64_t v = 0; v < cols; ++v) {
+      const acc_t log_p = zs[v] * inv_t - lse_s[n];
+      const acc_t log_q = zt[v] * inv_t - lse_t[n];
+      const acc_t log_m = log_mixture(div, log_p, log_q);
+      sum_q += exp_(log_q) * (log_q - log_m);
+      sum_p += exp_(log_p) * (log_p - log_m);
+    }
+    kl_q_m[n] += sum_q;
+    kl_p_m[n] += sum_p;
+  }
+};
+
+template <typename scalar_t>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_impl(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, const FusedLinearParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
+  const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
+  const std::vector<uint8_t> valid = row_mask(labels, p);
+  const TilePlan plan = plan_tiles(p);
+
+  OnlineKLPass<acc_t> kl_pass(p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr);
+  walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, kl_pass);
+
+  const auto out_options = xs.options().dtype(acc_dtype);
+  at::Tensor loss = at::zeros({p.num_rows}, out_options);
+  at::Tensor lse_s = at::zeros({p.num_rows}, out_options);
+  at::Tensor lse_t = at::zeros({p.num_rows}, out_options);
+  at::Tensor kl_row = at::zeros({p.num_rows}, out_options);  // KL(p||q) reverse, KL(p||M) JSD
+  at::Tensor lse_ce = at::zeros({p.num_rows}, out_options);
+  acc_t* loss_ = loss.data_ptr<acc_t>();
+  acc_t* lse_s_ = lse_s.data_ptr<acc_t>();
+  acc_t* lse_t_ = lse_t.data_ptr<acc_t>();
+  acc_t* kl_row_ = kl_row.data_ptr<acc_t>();
+  acc_t* lse_ce_ = lse_ce.data_ptr<acc_t>();
+
+  const bool weight_by_student = p.kind == LossKind::kReverseKL;
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    if (!valid[n]) continue;
+    const KLState<acc_t>& st = kl_pass.kl[n];
+    lse_s_[n] = log_sum_exp(weight_by_student ? st.w : st.o);
+    lse_t_[n] = log_sum_exp(weight_by_student ? st.o : st.w);
+    loss_[n] = kl_divergence(st);
+    kl_row_[n] = loss_[n];
+  }
+  if (p.kind == LossKind::kJSD) {
+    MixturePass<acc_t> mix(p, valid.data(), lse_s_, lse_t_);
+    walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, mix);
+    const acc_t beta = static_cast<acc_t>(p.beta);
+    for (int64_t n = 0; n < p.num_rows; ++n) {
+      if (!valid[n]) continue;
+      loss_[n] = beta * mix.kl_q_m[n] + (acc_t(1) - beta) * mix.kl_p_m[n];
+      kl_row_[n] = mix.kl_p_m[n];
+    }
+  }
+  if (p.ce_weight != 0.0) {
+    const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
+    for (int64_t n = 0; n < p.num_rows; ++n) {
+      if (!valid[n]) continue;
+      lse_ce_[n] = log_sum_exp(kl_pass.ce[n]);
+      loss_[n] += ce_weight * (lse_ce_[n] - kl_pass.label_logit[n]);
+    }
+  }
+  return {loss, lse_s, lse_t, kl_row, lse_ce};
+}
+
+// Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place, and
+// accumulates dxs += G . ws_tile and dws_tile = G^T . xs with the BLAS.
+template <typename acc_t>
+struct GradientPass {
+  const FusedLinearParams& p;
+  const uint8_t* valid;
+  const int64_t* label;
+  const acc_t *grad, *lse_s, *lse_t, *kl_row, *lse_ce;
+  DivergenceParams<acc_t> div;
+  at::Tensor dxs_acc;       // [N, D_s] or undefined
+  at::Tensor dws;           // [V_rows, D_s] in the input dtype, or undefined
+  at::Tensor dws_tile_acc;  // [vocab_tile, D_s]
+
+  void begin_vocab_tile(int64_t, int64_t cols) {
+    if (dws.defined()) dws_tile_acc.narrow(0, 0, cols).zero_();
+  }
+
+  void visit_row(int64_t n, int64_t v0, int64_t cols, acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) {
+      std::fill(zs, zs + cols, acc_t(0));
+      return;
+    }
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
+    const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
+    const int64_t y = label != nullptr ? label[n] - v0 : -1;
+    for (int64_t v = 0; v < cols; ++v) {
+      const acc_t z = zs[v];
+      const acc_t log_p = z * inv_t - lse_s[n];
+      const acc_t log_q = zt[v] * inv_t - lse_t[n];
+      acc_t dz = divergence_grad(div, log_p, log_q, kl_row[n]) * inv_t;
+      if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(z - lse_ce[n]) - acc_t(v == y ? 1 : 0));
+      zs[v] = grad[n] * dz * softcap_grad_from_capped(z, cap_s);
+    }
+  }
+
+  void end_row_chunk(const LogitTile& tile) {
+    const at::Tensor& g = tile.zs;  // [rows, cols], now holds G
+    if (dxs_acc.defined()) dxs_acc.narrow(0, tile.r0, tile.rows).addmm_(g, tile.ws_tile);
+    if (dws.defined()) dws_tile_acc.narrow(0, 0, tile.cols).addmm_(g.t(), tile.xs_rows);
+  }
+
+  void end_vocab_tile(int64_t v0, int64_t cols) {
+    if (dws.defined()) dws.narrow(0, v0, cols).copy_(dws_tile_acc.narrow(0, 0, cols));
+  }
+};
+
+template <typename scalar_t>
+std::tuple<at::Tensor, at::Tensor> backward_impl(
+    const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& lse_s,
+    const at::Tensor& lse_t, const at::Tensor& kl_row, const at::Tensor& lse_ce,
+    const FusedLinearParams& p, bool compute_dxs, bool compute_dws) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
+  const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
+  const std::vector<uint8_t> valid = row_mask(labels, p);
+  const TilePlan plan = plan_tiles(p);
+  const at::Tensor grad_c = grad_loss.to(acc_dtype).contiguous();
+  const at::Tensor lse_s_c = lse_s.contiguous(), lse_t_c = lse_t.contiguous();
+  const at::Tensor kl_row_c = kl_row.contiguous(), lse_ce_c = lse_ce.contiguous();
+
+  GradientPass<acc_t> pass{p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr,
+                           grad_c.data_ptr<acc_t>(), lse_s_c.data_ptr<acc_t>(), lse_t_c.data_ptr<acc_t>(),
+                           kl_row_c.data_ptr<acc_t>(), lse_ce_c.data_ptr<acc_t>(),
+                           divergence_params<acc_t>(p)};
+  if (compute_dxs) pass.dxs_acc = at::zeros({p.num_rows, p.hidden_s}, xs_acc.options());
+  if (compute_dws) {
+    pass.dws = at::zeros_like(ws, at::MemoryFormat::Contiguous);  // padded rows past vocab_size stay 0
+    pass.dws_tile_acc = at::empty({plan.vocab_tile, p.hidden_s}, xs_acc.options());
+  }
+  walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, pass);
+
+  at::Tensor dxs = compute_dxs ? pass.dxs_acc.to(xs.scalar_type()) : at::empty({0}, xs.options());
+  at::Tensor dws = compute_dws ? pass.dws : at::empty({0}, ws.options());
+  return {dxs, dws};
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_distill_fwd_cpu(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta, double temperature,
+    double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
+    int64_t vocab_size, int64_t chunk_v) {
+  const FusedLinearParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, beta,
+                                                       temperature, ce_weight, softcap_s, softcap_t,
+                                                       vocab_size, chunk_v);
+  check_cpu(xs, "xs");
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_fwd_cpu", [&] {
+    out = forward_impl<scalar_t>(xs, xt, ws.contiguous(), wt.contiguous(), labels, p);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cpu(
+    const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& lse_s,
+    const at::Tensor& lse_t, const at::Tensor& kl_row, const at::Tensor& lse_ce, int64_t ignore_index,
+    double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
+    c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v, bool compute_dxs,
+    bool compute_dws) {
+  const FusedLinearParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, beta,
+                                                       temperature, ce_weight, softcap_s, softcap_t,
+                                                       vocab_size, chunk_v);
+  check_cpu(xs, "xs");
+  for (const at::Tensor* t : {&grad_loss, &lse_s, &lse_t, &kl_row, &lse_ce}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == p.num_rows,
+                "per-row gradient and statistics must be [N] = [", p.num_rows, "], got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu(), "per-row gradient and statistics must be on the CPU");
+  }
+  std::tuple<at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_bwd_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+    out = backward_impl<scalar_t>(grad_loss, xs, xt, ws.contiguous(), wt.contiguous(), labels,
+                                  lse_s.to(acc_dtype), lse_t.to(acc_dtype), kl_row.to(acc_dtype),
+                                  lse_ce.to(acc_dtype), p, compute_dxs, compute_dws);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nitrobrew, CPU, m) {
+  m.impl("fused_linear_distill_fwd", &fused_linear_distill_fwd_cpu);
+  m.impl("fused_linear_distill_bwd", &fused_linear_distill_bwd_cpu);
+}
+
+}  // namespace cpu
+}  // namespace nitrobrew

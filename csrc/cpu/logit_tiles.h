@@ -1,0 +1,100 @@
+// The CPU's tile walk over the [N x V] student and teacher logits.
+//
+// The vocabulary is cut into tiles of `vocab_tile` entries and the rows into chunks of
+// `row_tile`; for each (vocab tile, row chunk) the BLAS writes the two logit tiles
+// (accumulated in float32, or float64 for float64 inputs) into a buffer that is reused,
+// so memory beyond the inputs is O(row_tile * vocab_tile), never O(N * V).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "../fused_linear_params.h"
+
+namespace nitrobrew {
+namespace cpu {
+
+struct TilePlan {
+  int64_t vocab_tile;
+  int64_t row_tile;
+};
+
+// Default vocabulary tile: wide enough for an efficient GEMM, small enough that a row of
+// both logit tiles stays in L1/L2 while it is reduced.
+constexpr int64_t kDefaultVocabTile = 1024;
+// Upper bound on the elements of one logit tile (per model): 16 MiB of float32.
+constexpr int64_t kMaxTileElements = int64_t(1) << 22;
+
+inline TilePlan plan_tiles(const FusedLinearParams& p) {
+  TilePlan plan;
+  plan.vocab_tile = std::min(p.chunk_v > 0 ? p.chunk_v : kDefaultVocabTile, p.vocab_size);
+  plan.row_tile = std::max<int64_t>(1, std::min(p.num_rows, kMaxTileElements / plan.vocab_tile));
+  return plan;
+}
+
+// One (vocab tile, row chunk) block of logits as the visitor sees it.
+struct LogitTile {
+  int64_t v0, cols;    // vocabulary entries [v0, v0 + cols)
+  int64_t r0, rows;    // rows [r0, r0 + rows)
+  at::Tensor zs, zt;   // [rows, cols] soft-capped logits (before the temperature), contiguous
+  at::Tensor ws_tile;  // [cols, D_s] student unembedding rows, in the accumulation dtype
+  at::Tensor xs_rows;  // [rows, D_s] student hidden states, in the accumulation dtype
+};
+
+// Calls, in this order:
+//   visitor.begin_vocab_tile(v0, cols)
+//   visitor.visit_row(n, v, zs_row, zt_row)   for every row n of a chunk, in parallel
+//   visitor.end_row_chunk(tile)                once the chunk's rows are visited
+//   visitor.end_vocab_tile(v0, cols)
+// xs_acc, xt_acc are [N, D] in the accumulation dtype; ws, wt in the input dtype.
+template <typename acc_t, typename Visitor>
+void walk_logit_tiles(const at::Tensor& xs_acc, const at::Tensor& xt_acc, const at::Tensor& ws,
+                      const at::Tensor& wt, const FusedLinearParams& p, const TilePlan& plan,
+                      Visitor& visitor) {
+  const int64_t n_rows = p.num_rows;
+  if (n_rows == 0) return;
+  const at::ScalarType acc_dtype = xs_acc.scalar_type();
+  const auto buffer_options = xs_acc.options();
+  at::Tensor zs_buffer = at::empty({plan.row_tile * plan.vocab_tile}, buffer_options);
+  at::Tensor zt_buffer = at::empty({plan.row_tile * plan.vocab_tile}, buffer_options);
+  const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
+  const acc_t cap_t = static_cast<acc_t>(p.softcap_t);
+
+  for (int64_t v0 = 0; v0 < p.vocab_size; v0 += plan.vocab_tile) {
+    const int64_t cols = std::min(plan.vocab_tile, p.vocab_size - v0);
+    const at::Tensor ws_tile = ws.narrow(0, v0, cols).to(acc_dtype).contiguous();  // [cols, D_s]
+    const at::Tensor wt_tile = wt.narrow(0, v0, cols).to(acc_dtype).contiguous();  // [cols, D_t]
+    visitor.begin_vocab_tile(v0, cols);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += plan.row_tile) {
+      const int64_t rows = std::min(plan.row_tile, n_rows - r0);
+      LogitTile tile{v0, cols, r0, rows,
+                     zs_buffer.narrow(0, 0, rows * cols).view({rows, cols}),
+                     zt_buffer.narrow(0, 0, rows * cols).view({rows, cols}),
+                     ws_tile, xs_acc.narrow(0, r0, rows)};
+      at::mm_out(tile.zs, tile.xs_rows, ws_tile.t());
+      at::mm_out(tile.zt, xt_acc.narrow(0, r0, rows), wt_tile.t());
+      acc_t* zs = tile.zs.data_ptr<acc_t>();
+      acc_t* zt = tile.zt.data_ptr<acc_t>();
+      at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          acc_t* zs_row = zs + r * cols;
+          acc_t* zt_row = zt + r * cols;
+          if (cap_s > acc_t(0)) {
+            for (int64_t v = 0; v < cols; ++v) zs_row[v] = softcap(zs_row[v], cap_s);
+          }
+          if (cap_t > acc_t(0)) {
+            for (int64_t v = 0; v < cols; ++v) zt_row[v] = softcap(zt_row[v], cap_t);
+          }
+          visitor.visit_row(r0 + r, v0, cols, zs_row, zt_row);
+        }
+      });
+      visitor.end_row_chunk(tile);
+    }
+    visitor.end_vocab_tile(v0, cols);
+  }
+}
+
+}  // namespace cpu
+}  // namespace nitrobrew

@@ -1,0 +1,143 @@
+// Per-row math of the fused distillation losses, shared by the CPU and CUDA kernels.
+//
+// A row's logits arrive one vocabulary tile at a time. Each tile is reduced to a
+// partial state while it is on chip (in cache on the CPU) and merged into the running
+// state; the merge is associative, so tiles, vocab splits and vocab shards combine the
+// same way. DESIGN.md section 2 has the derivation.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#if defined(__CUDACC__)
+#define NB_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NB_HOST_DEVICE inline
+#endif
+
+namespace nitrobrew {
+
+// Which divergence a kernel computes. JSD(beta) with beta = 0 / 1 is mapped to
+// kForwardKL / kReverseKL by the caller: the mixture formula is discontinuous there.
+enum class LossKind : int { kForwardKL = 0, kReverseKL = 1, kJSD = 2 };
+
+// Running log-sum-exp of one distribution: lse = m + log(l).
+template <typename T>
+struct SoftmaxState {
+  T m = -std::numeric_limits<T>::infinity();
+  T l = T(0);
+};
+
+// One-pass KL state. `w` is the distribution the KL is weighted by (the teacher for
+// forward KL, the student for reverse KL), `o` the other one, and
+// a = sum_v exp(w_v - m_w) * (w_v - o_v). Then KL(w || o) = a / l_w - lse_w + lse_o.
+template <typename T>
+struct KLState {
+  SoftmaxState<T> w, o;
+  T a = T(0);
+};
+
+template <typename T>
+NB_HOST_DEVICE T exp_(T x) {
+  using std::exp;
+  return exp(x);
+}
+
+template <typename T>
+NB_HOST_DEVICE T log_(T x) {
+  using std::log;
+  return log(x);
+}
+
+// Factor that rescales a sum kept relative to max `m` to a new max `m_new`.
+// An empty state (m = -inf) contributes nothing; m_new is finite whenever this is called.
+template <typename T>
+NB_HOST_DEVICE T rescale(T m, T m_new) {
+  return m == -std::numeric_limits<T>::infinity() ? T(0) : exp_(m - m_new);
+}
+
+template <typename T>
+NB_HOST_DEVICE void merge(SoftmaxState<T>& into, const SoftmaxState<T>& part) {
+  if (part.m == -std::numeric_limits<T>::infinity()) return;  // empty part: never form -inf - -inf
+  const T m_new = into.m > part.m ? into.m : part.m;
+  into.l = into.l * rescale(into.m, m_new) + part.l * rescale(part.m, m_new);
+  into.m = m_new;
+}
+
+template <typename T>
+NB_HOST_DEVICE void merge(KLState<T>& into, const KLState<T>& part) {
+  if (part.w.m == -std::numeric_limits<T>::infinity()) return;
+  const T m_new = into.w.m > part.w.m ? into.w.m : part.w.m;
+  const T scale_into = rescale(into.w.m, m_new);
+  const T scale_part = rescale(part.w.m, m_new);
+  into.a = into.a * scale_into + part.a * scale_part;
+  into.w.l = into.w.l * scale_into + part.w.l * scale_part;
+  into.w.m = m_new;
+  merge(into.o, part.o);
+}
+
+template <typename T>
+NB_HOST_DEVICE T log_sum_exp(const SoftmaxState<T>& s) {
+  return s.m + log_(s.l);
+}
+
+template <typename T>
+NB_HOST_DEVICE T kl_divergence(const KLState<T>& s) {
+  return s.a / s.w.l - log_sum_exp(s.w) + log_sum_exp(s.o);
+}
+
+// Gemma-style soft-capping c * tanh(z / c); cap <= 0 means none.
+template <typename T>
+NB_HOST_DEVICE T softcap(T z, T cap) {
+  using std::tanh;
+  return cap > T(0) ? cap * tanh(z / cap) : z;
+}
+
+// d softcap(z) / dz written in terms of the capped value y = c * tanh(z / c).
+template <typename T>
+NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
+  if (cap <= T(0)) return T(1);
+  const T r = y / cap;
+  return T(1) - r * r;
+}
+
+// log(exp(a) + exp(b)) for finite a, b.
+template <typename T>
+NB_HOST_DEVICE T log_add_exp(T a, T b) {
+  using std::log1p;
+  const T hi = a > b ? a : b;
+  const T lo = a > b ? b : a;
+  return hi + log1p(exp_(lo - hi));
+}
+
+// Per-row constants of the divergence, derived once from the loss options.
+template <typename T>
+struct DivergenceParams {
+  LossKind kind;
+  T beta;           // JSD mixture weight M = (1 - beta) p + beta q
+  T log_1m_beta;    // log(1 - beta), JSD only
+  T log_beta;       // log(beta), JSD only
+};
+
+template <typename T>
+NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q) {
+  return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q);
+}
+
+// dLoss/ds_v for one vocabulary entry (DESIGN.md section 3), where s are the
+// student's temperature-scaled logits. `kl_row` is the saved KL(p||q) for reverse KL
+// and KL(p||M) for JSD; unused for forward KL.
+template <typename T>
+NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T log_p, T log_q, T kl_row) {
+  const T p = exp_(log_p);
+  switch (d.kind) {
+    case LossKind::kForwardKL:
+      return p - exp_(log_q);
+    case LossKind::kReverseKL:
+      return p * (log_p - log_q - kl_row);
+    default:
+      return (T(1) - d.beta) * p * (log_p - log_mixture(d, log_p, log_q) - kl_row);
+  }
+}
+
+}  // namespace nitrobrew

@@ -1,0 +1,12 @@
+"""nitrobrew: fused distillation losses that never materialize the logits.
+
+    import nitrobrew
+    loss = nitrobrew.forward_kl(xs, xt, ws, wt, temperature=2.0, labels=labels)
+"""
+
+from nitrobrew import ops  # noqa: F401  (loads the compiled operators first)
+from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
+from nitrobrew.modules import DistillationLoss
+
+__version__ = "0.1.0"
+__all__ = ["forward_kl", "reverse_kl", "jsd", "DistillationLoss"]

@@ -1,0 +1,66 @@
+"""Sources and compiler flags of the compiled extension, shared by setup.py and the JIT path.
+
+Build knobs (environment variables):
+  NITROBREW_CUDA_ARCHS  CUDA architectures, ';'- or ','-separated (default "8.0;9.0a")
+  NITROBREW_NO_CUDA=1   build the CPU-only extension even where CUDA is available
+  DEBUG=1               -O0 -g host code, -G -lineinfo device code
+  MAX_JOBS              parallel compile jobs (read by torch.utils.cpp_extension)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+
+
+def source_root() -> str:
+    """The repository root, where csrc/ lives (a source checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpp_sources(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "csrc", "*.cpp")) + glob.glob(os.path.join(root, "csrc", "cpu", "*.cpp")))
+
+
+def cuda_sources(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(root, "csrc", "cuda", "*.cpp")))
+
+
+def cuda_wanted() -> bool:
+    """A CUDA build needs a CUDA build of torch and a CUDA toolkit, and is not switched off."""
+    if os.environ.get("NITROBREW_NO_CUDA", "0") == "1":
+        return False
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def gencode_flags(archs: str | None = None) -> list[str]:
+    """'8.0;9.0a' -> ['-gencode=arch=compute_80,code=sm_80', '-gencode=arch=compute_90a,code=sm_90a']."""
+    archs = archs if archs is not None else os.environ.get("NITROBREW_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+    flags = []
+    for arch in archs.replace(",", ";").split(";"):
+        arch = arch.strip()
+        if not arch:
+            continue
+        number = arch.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+    if not flags:
+        raise ValueError(f"NITROBREW_CUDA_ARCHS names no architecture: {archs!r}")
+    return flags
+
+
+def debug() -> bool:
+    return os.environ.get("DEBUG", "0") == "1"
+
+
+def cxx_flags() -> list[str]:
+    return ["-O0", "-g"] if debug() else ["-O3"]
+
+
+def nvcc_flags() -> list[str]:
+    base = ["-O0", "-G", "-lineinfo"] if debug() else ["-O3", "-lineinfo"]
+    return base + ["-std=c++17", "--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + gencode_flags()

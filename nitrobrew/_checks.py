@@ -1,0 +1,80 @@
+"""Argument checks shared by the public loss functions: each error names the argument
+and the form it should have."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("none", "sum", "mean", "batchmean")
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def tensor(value, name: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def floating(value: Tensor, name: str) -> None:
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {value.dtype}")
+
+
+def positive_number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def optional_positive_number(value, name: str) -> float | None:
+    return None if value is None else positive_number(value, name)
+
+
+def non_negative_number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return float(value)
+
+
+def unit_interval(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def reduction(value) -> str:
+    if value not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {value!r}")
+    return "mean" if value == "batchmean" else value
+
+
+def optional_positive_int(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    return int(value)
+
+
+def labels(value, lead_shape: torch.Size, device: torch.device) -> Tensor | None:
+    if value is None:
+        return None
+    tensor(value, "labels")
+    if value.dtype != torch.int64:
+        raise TypeError(f"labels must be an int64 tensor, got {value.dtype}")
+    if value.shape != lead_shape:
+        raise ValueError(f"labels must have the leading shape of xs {tuple(lead_shape)}, got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"labels must be on {device}, got {value.device}")
+    return value
+
+
+def same_device(tensors: dict) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all inputs must be on one device, got {listed}")

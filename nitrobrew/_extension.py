@@ -1,0 +1,63 @@
+"""Loads the compiled kernels that register the torch.ops.nitrobrew operators.
+
+Normally this imports the extension built by `pip install --no-build-isolation .`.
+With NITROBREW_JIT=1 it compiles the same sources from a source checkout with
+torch.utils.cpp_extension.load instead (cached in torch's extension folder), which is
+the quick loop for kernel development. There is no fallback to slower code: a missing
+build is an ImportError that says how to build.
+"""
+
+from __future__ import annotations
+
+import os
+
+from nitrobrew import _build
+
+_BUILD_HINT = (
+    "nitrobrew's compiled extension (nitrobrew._C) is not built. Build it with\n"
+    "    pip install --no-build-isolation .      (or: pip install --no-build-isolation -e .)\n"
+    "from the repository root (torch must already be installed), or set NITROBREW_JIT=1 to\n"
+    "compile it on import from a source checkout."
+)
+
+
+def _jit_load() -> None:
+    from torch.utils.cpp_extension import load
+
+    root = _build.source_root()
+    sources = _build.cpp_sources(root)
+    if not sources:
+        raise ImportError(f"NITROBREW_JIT=1 needs a source checkout; no csrc/ under {root}")
+    with_cuda = _build.cuda_wanted()
+    if with_cuda:
+        sources += _build.cuda_sources(root)
+    load(
+        name="nitrobrew_jit",
+        sources=sources,
+        extra_include_paths=[os.path.join(root, "csrc")],
+        extra_cflags=_build.cxx_flags() + (["-DNITROBREW_WITH_CUDA"] if with_cuda else []),
+        extra_cuda_cflags=_build.nvcc_flags() if with_cuda else None,
+        with_cuda=with_cuda,
+        is_python_module=False,  # the shared object only registers operators
+        verbose=os.environ.get("NITROBREW_JIT_VERBOSE", "0") == "1",
+    )
+
+
+def load_extension() -> None:
+    if os.environ.get("NITROBREW_JIT", "0") == "1":
+        _jit_load()
+        return
+    try:
+        from nitrobrew import _C  # noqa: F401  (importing registers the operators)
+    except ImportError as error:
+        raise ImportError(f"{_BUILD_HINT}\n(import error: {error})") from error
+
+
+def has_kernels_for(device_type: str) -> bool:
+    """Whether this build registered kernels for a device type ("cpu", "cuda")."""
+    import torch
+
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "nitrobrew::fused_linear_distill_fwd", key
+    )

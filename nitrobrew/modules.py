@@ -1,0 +1,50 @@
+"""nn.Module forms of the losses."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from nitrobrew import fused_linear
+
+_LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": None}
+
+
+class DistillationLoss(nn.Module):
+    """Fused distillation loss from hidden states and unembedding matrices.
+
+    loss = DistillationLoss("jsd", beta=0.5, temperature=2.0)(xs, xt, ws, wt, labels)
+
+    `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd"; the keyword
+    options are those of nitrobrew.forward_kl / reverse_kl / jsd.
+    """
+
+    def __init__(
+        self,
+        loss: str = "forward_kl",
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        ce_weight: float = 0.0,
+        softcap_s: float | None = None,
+        softcap_t: float | None = None,
+        vocab_size: int | None = None,
+        chunk_V: int | None = None,
+    ):
+        super().__init__()
+        if loss not in _LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(map(repr, _LOSSES))}, got {loss!r}")
+        self.loss = loss
+        self.beta = beta if _LOSSES[loss] is None else _LOSSES[loss]
+        self.options = dict(
+            temperature=temperature, reduction=reduction, ignore_index=ignore_index, ce_weight=ce_weight,
+            softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,
+        )
+
+    def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None) -> Tensor:
+        return fused_linear.jsd(xs, xt, ws, wt, beta=self.beta, labels=labels, **self.options)
+
+    def extra_repr(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{self.loss!r}, beta={self.beta}, {options}"

@@ -1,0 +1,92 @@
+"""The private torch.library operators: fake (meta) implementations and autograd.
+
+The schemas live in csrc/registration.cpp and the kernels in csrc/cpu and csrc/cuda;
+this module adds what torch.compile and autograd need. Callers use the documented
+functions in nitrobrew.fused_linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew._extension import load_extension
+
+load_extension()
+
+_ops = torch.ops.nitrobrew
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Per-row losses and statistics are float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("nitrobrew::fused_linear_distill_fwd")
+def _fused_linear_distill_fwd_fake(
+    xs, xt, ws, wt, labels, ignore_index, beta, temperature, ce_weight, softcap_s, softcap_t, vocab_size, chunk_v
+):
+    torch._check(xs.dim() == 2 and xt.dim() == 2, lambda: "xs and xt must be 2-D")
+    torch._check(ws.dim() == 2 and wt.dim() == 2, lambda: "ws and wt must be 2-D")
+    torch._check(xs.shape[0] == xt.shape[0], lambda: "xs and xt must have the same number of rows")
+    torch._check(ws.shape[1] == xs.shape[1], lambda: "ws must be [V, D_s]")
+    torch._check(wt.shape[1] == xt.shape[1], lambda: "wt must be [V, D_t]")
+    n = xs.shape[0]
+    dtype = _stats_dtype(xs.dtype)
+    return tuple(xs.new_empty((n,), dtype=dtype) for _ in range(5))
+
+
+@torch.library.register_fake("nitrobrew::fused_linear_distill_bwd")
+def _fused_linear_distill_bwd_fake(
+    grad_loss, xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce, ignore_index, beta, temperature,
+    ce_weight, softcap_s, softcap_t, vocab_size, chunk_v, compute_dxs, compute_dws,
+):
+    torch._check(grad_loss.shape == (xs.shape[0],), lambda: "grad_loss must be [N]")
+    dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if compute_dxs else xs.new_empty((0,))
+    dws = torch.empty_like(ws, memory_format=torch.contiguous_format) if compute_dws else ws.new_empty((0,))
+    return dxs, dws
+
+
+def _setup_context(ctx, inputs, output):
+    xs, xt, ws, wt, labels, *options = inputs
+    _, lse_s, lse_t, kl_row, lse_ce = output
+    ctx.save_for_backward(xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce)
+    ctx.options = options  # ignore_index, beta, temperature, ce_weight, softcaps, vocab_size, chunk_v
+    ctx.mark_non_differentiable(lse_s, lse_t, kl_row, lse_ce)
+
+
+def _backward(ctx, grad_loss, *_stat_grads):
+    xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce = ctx.saved_tensors
+    need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if not (need_dxs or need_dws):
+        return (None,) * 13
+    dxs, dws = _ops.fused_linear_distill_bwd(
+        grad_loss, xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce, *ctx.options, need_dxs, need_dws
+    )
+    # The teacher's tensors (xt, wt), labels and options receive no gradient.
+    return (dxs if need_dxs else None, None, dws if need_dws else None) + (None,) * 10
+
+
+torch.library.register_autograd("nitrobrew::fused_linear_distill_fwd", _backward, setup_context=_setup_context)
+
+
+def fused_linear_distill(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    labels: Tensor | None,
+    *,
+    ignore_index: int,
+    beta: float,
+    temperature: float,
+    ce_weight: float,
+    softcap_s: float | None,
+    softcap_t: float | None,
+    vocab_size: int,
+    chunk_v: int,
+) -> Tensor:
+    """Per-row loss [N] of the fused-linear op (2-D inputs, options already checked)."""
+    return _ops.fused_linear_distill_fwd(
+        xs, xt, ws, wt, labels, ignore_index, beta, temperature, ce_weight, softcap_s, softcap_t, vocab_size, chunk_v
+    )[0]
