@@ -25,6 +25,22 @@ struct FusedLinearParams {
   bool has_labels;
 };
 
+// Columns of the forward's per-row statistics, a [N, kNumRowStats] tensor that the
+// backward reads: the log-normalizers of the student, the teacher and the cross-entropy
+// add-on (temperature 1) as (max, log-sum), and the gradient's centre (divergence_grad in
+// online_state.h): E_p[s - t] for reverse KL, KL(p||M) for JSD. Rows whose label is
+// ignore_index hold zeros.
+enum RowStat : int {
+  kMaxS = 0,
+  kLogSumS,
+  kMaxT,
+  kLogSumT,
+  kGradCenter,
+  kMaxCE,
+  kLogSumCE,
+  kNumRowStats
+};
+
 // Checks shapes, dtypes and devices of the op's inputs (raising with the argument's
 // name) and returns the options with the loss kind resolved from beta.
 FusedLinearParams make_fused_linear_params(

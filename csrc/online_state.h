@@ -76,14 +76,29 @@ NB_HOST_DEVICE void merge(KLState<T>& into, const KLState<T>& part) {
   merge(into.o, part.o);
 }
 
+// A distribution's log-normalizer kept as (max, log of the sum relative to it) rather than
+// their sum: log p_v = (x_v - max) - log_sum then loses nothing to rounding the lse, which
+// matters once logits reach ~1e2 (an fp32 lse of 100 has an ulp of 8e-6).
 template <typename T>
-NB_HOST_DEVICE T log_sum_exp(const SoftmaxState<T>& s) {
-  return s.m + log_(s.l);
+struct LogNormalizer {
+  T max;
+  T log_sum;
+};
+
+template <typename T>
+NB_HOST_DEVICE LogNormalizer<T> log_normalizer(const SoftmaxState<T>& s) {
+  return {s.m, log_(s.l)};
 }
 
 template <typename T>
+NB_HOST_DEVICE T log_prob(T x, const LogNormalizer<T>& norm) {
+  return (x - norm.max) - norm.log_sum;
+}
+
+// KL(w || o) = a / l_w - lse_w + lse_o, with the large terms of the two lse cancelled first.
+template <typename T>
 NB_HOST_DEVICE T kl_divergence(const KLState<T>& s) {
-  return s.a / s.w.l - log_sum_exp(s.w) + log_sum_exp(s.o);
+  return s.a / s.w.l - (s.w.m - s.o.m) - (log_(s.w.l) - log_(s.o.l));
 }
 
 // Gemma-style soft-capping c * tanh(z / c); cap <= 0 means none.
@@ -124,19 +139,24 @@ NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q) {
   return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q);
 }
 
-// dLoss/ds_v for one vocabulary entry (DESIGN.md section 3), where s are the
-// student's temperature-scaled logits. `kl_row` is the saved KL(p||q) for reverse KL
-// and KL(p||M) for JSD; unused for forward KL.
+// dLoss/ds_v for one vocabulary entry (DESIGN.md section 3), where s, t are the student's
+// and teacher's temperature-scaled logits and log_p, log_q their log-probabilities.
+// `center` is the per-row value the forward saved:
+//   reverse KL: E_p[s - t]. p (log p - log q - KL) = p ((s - t) - E_p[s - t]): the two
+//               log-normalizers cancel exactly, which keeps the gradient accurate when
+//               logits are ~1e4 and KL is a difference of two such numbers.
+//   JSD:        KL(p || M), summed in the forward from the same log p - log M terms.
+//   forward KL: unused.
 template <typename T>
-NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T log_p, T log_q, T kl_row) {
+NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p, T log_q, T center) {
   const T p = exp_(log_p);
   switch (d.kind) {
     case LossKind::kForwardKL:
       return p - exp_(log_q);
     case LossKind::kReverseKL:
-      return p * (log_p - log_q - kl_row);
+      return p * ((s - t) - center);
     default:
-      return (T(1) - d.beta) * p * (log_p - log_mixture(d, log_p, log_q) - kl_row);
+      return (T(1) - d.beta) * p * (log_p - log_mixture(d, log_p, log_q) - center);
   }
 }
 

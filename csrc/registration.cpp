@@ -13,17 +13,18 @@ TORCH_LIBRARY(nitrobrew, m) {
   // Fused-linear distillation, forward. Student logits softcap_s(xs . ws^T) / temperature,
   // teacher logits likewise, over the first vocab_size rows of ws and wt. beta selects the
   // divergence: 0 forward KL(q||p), 1 reverse KL(p||q), otherwise JSD(beta).
-  // Returns per-row (loss, lse_s, lse_t, kl_row, lse_ce), all in float32 (float64 for
-  // float64 inputs); rows whose label is ignore_index get zeros.
+  // Returns (loss [N], row_stats [N, 7]) in float32 (float64 for float64 inputs); the
+  // columns of row_stats are listed by RowStat in fused_linear_params.h. Rows whose label
+  // is ignore_index get zeros.
   m.def(
       "fused_linear_distill_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, "
       "int ignore_index, float beta, float temperature, float ce_weight, float? softcap_s, "
-      "float? softcap_t, int vocab_size, int chunk_v) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float? softcap_t, int vocab_size, int chunk_v) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient and the forward's per-row
   // statistics, returns (dxs, dws); each is an empty tensor when not requested.
   m.def(
       "fused_linear_distill_bwd(Tensor grad_loss, Tensor xs, Tensor xt, Tensor ws, Tensor wt, "
-      "Tensor? labels, Tensor lse_s, Tensor lse_t, Tensor kl_row, Tensor lse_ce, int ignore_index, "
+      "Tensor? labels, Tensor row_stats, int ignore_index, "
       "float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
       "int vocab_size, int chunk_v, bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
 }

@@ -16,6 +16,9 @@ load_extension()
 
 _ops = torch.ops.nitrobrew
 
+# Columns of the forward's per-row statistics (RowStat in csrc/fused_linear_params.h).
+NUM_ROW_STATS = 7
+
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Per-row losses and statistics are float32, float64 for float64 inputs."""
@@ -33,12 +36,12 @@ def _fused_linear_distill_fwd_fake(
     torch._check(wt.shape[1] == xt.shape[1], lambda: "wt must be [V, D_t]")
     n = xs.shape[0]
     dtype = _stats_dtype(xs.dtype)
-    return tuple(xs.new_empty((n,), dtype=dtype) for _ in range(5))
+    return xs.new_empty((n,), dtype=dtype), xs.new_empty((n, NUM_ROW_STATS), dtype=dtype)
 
 
 @torch.library.register_fake("nitrobrew::fused_linear_distill_bwd")
 def _fused_linear_distill_bwd_fake(
-    grad_loss, xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce, ignore_index, beta, temperature,
+    grad_loss, xs, xt, ws, wt, labels, row_stats, ignore_index, beta, temperature,
     ce_weight, softcap_s, softcap_t, vocab_size, chunk_v, compute_dxs, compute_dws,
 ):
     torch._check(grad_loss.shape == (xs.shape[0],), lambda: "grad_loss must be [N]")
@@ -49,19 +52,19 @@ def _fused_linear_distill_bwd_fake(
 
 def _setup_context(ctx, inputs, output):
     xs, xt, ws, wt, labels, *options = inputs
-    _, lse_s, lse_t, kl_row, lse_ce = output
-    ctx.save_for_backward(xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce)
+    _, row_stats = output
+    ctx.save_for_backward(xs, xt, ws, wt, labels, row_stats)
     ctx.options = options  # ignore_index, beta, temperature, ce_weight, softcaps, vocab_size, chunk_v
-    ctx.mark_non_differentiable(lse_s, lse_t, kl_row, lse_ce)
+    ctx.mark_non_differentiable(row_stats)
 
 
-def _backward(ctx, grad_loss, *_stat_grads):
-    xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_row_stats):
+    xs, xt, ws, wt, labels, row_stats = ctx.saved_tensors
     need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_dxs or need_dws):
         return (None,) * 13
     dxs, dws = _ops.fused_linear_distill_bwd(
-        grad_loss, xs, xt, ws, wt, labels, lse_s, lse_t, kl_row, lse_ce, *ctx.options, need_dxs, need_dws
+        grad_loss, xs, xt, ws, wt, labels, row_stats, *ctx.options, need_dxs, need_dws
     )
     # The teacher's tensors (xt, wt), labels and options receive no gradient.
     return (dxs if need_dxs else None, None, dws if need_dws else None) + (None,) * 10

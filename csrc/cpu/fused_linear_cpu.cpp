@@ -32,7 +32,7 @@ std::vector<uint8_t> row_mask(const c10::optional<at::Tensor>& labels, const Fus
   return valid;
 }
 
-// Pass 1: one-pass KL state per row (also gives lse_s, lse_t for JSD), plus the
+// Pass 1: one-pass KL state per row (also gives the log-normalizers for JSD), plus the
 // cross-entropy add-on's log-normalizer and label logit.
 template <typename acc_t>
 struct OnlineKLPass {
@@ -66,20 +66,21 @@ struct OnlineKLPass {
     KLState<acc_t> part;
     part.w.m = max_w * inv_t;
     part.o.m = max_o * inv_t;
-    for (int64_t v = 0; v < cols; ++v) {
+    const auto sums = lane_sums<acc_t, 3>(cols, [&](int64_t v) {
       const acc_t w = zw[v] * inv_t, o = zo[v] * inv_t;
       const acc_t e = exp_(w - part.w.m);
-      part.w.l += e;
-      part.a += e * (w - o);
-      part.o.l += exp_(o - part.o.m);
-    }
+      return std::array<acc_t, 3>{e, e * (w - o), exp_(o - part.o.m)};
+    });
+    part.w.l = sums[0];
+    part.a = sums[1];
+    part.o.l = sums[2];
     merge(kl[n], part);
 
     if (p.ce_weight != 0.0) {
       const acc_t max_s = weight_by_student ? max_w : max_o;
       SoftmaxState<acc_t> ce_part;
       ce_part.m = max_s;
-      for (int64_t v = 0; v < cols; ++v) ce_part.l += exp_(zs[v] - max_s);
+      ce_part.l = lane_sums<acc_t, 1>(cols, [&](int64_t v) { return std::array<acc_t, 1>{exp_(zs[v] - max_s)}; })[0];
       merge(ce[n], ce_part);
       const int64_t y = label[n];
       if (y >= v0 && y < v0 + cols) label_logit[n] = zs[y - v0];
@@ -87,19 +88,17 @@ struct OnlineKLPass {
   }
 };
 
-// Pass 2 of JSD: with lse_s and lse_t known, sums KL(q||M) and KL(p||M) per row.
+// Pass 2 of JSD: with the log-normalizers known, sums KL(q||M) and KL(p||M) per row.
 template <typename acc_t>
 struct MixturePass {
   const FusedLinearParams& p;
   const uint8_t* valid;
-  const acc_t* lse_s;
-  const acc_t* lse_t;
+  const acc_t* stats;  // [N, kNumRowStats]
   DivergenceParams<acc_t> div;
   std::vector<acc_t> kl_q_m, kl_p_m;
 
-  MixturePass(const FusedLinearParams& params, const uint8_t* valid_rows, const acc_t* lse_s_rows,
-              const acc_t* lse_t_rows)
-      : p(params), valid(valid_rows), lse_s(lse_s_rows), lse_t(lse_t_rows),
+  MixturePass(const FusedLinearParams& params, const uint8_t* valid_rows, const acc_t* row_stats)
+      : p(params), valid(valid_rows), stats(row_stats),
         div(divergence_params<acc_t>(params)), kl_q_m(params.num_rows, acc_t(0)),
         kl_p_m(params.num_rows, acc_t(0)) {}
 
@@ -110,21 +109,21 @@ struct MixturePass {
   void visit_row(int64_t n, int64_t, int64_t cols, const acc_t* zs, const acc_t* zt) {
     if (!valid[n]) return;
     const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
-    acc_t sum_q = 0, sum_p = 0;
-    for (int64_t v = 0; v < cols; ++v) {
-      const acc_t log_p = zs[v] * inv_t - lse_s[n];
-      const acc_t log_q = zt[v] * inv_t - lse_t[n];
+    const acc_t* row = stats + n * kNumRowStats;
+    const LogNormalizer<acc_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
+    const auto sums = lane_sums<acc_t, 2>(cols, [&](int64_t v) {
+      const acc_t log_p = log_prob(zs[v] * inv_t, norm_s);
+      const acc_t log_q = log_prob(zt[v] * inv_t, norm_t);
       const acc_t log_m = log_mixture(div, log_p, log_q);
-      sum_q += exp_(log_q) * (log_q - log_m);
-      sum_p += exp_(log_p) * (log_p - log_m);
-    }
-    kl_q_m[n] += sum_q;
-    kl_p_m[n] += sum_p;
+      return std::array<acc_t, 2>{exp_(log_q) * (log_q - log_m), exp_(log_p) * (log_p - log_m)};
+    });
+    kl_q_m[n] += sums[0];
+    kl_p_m[n] += sums[1];
   }
 };
 
 template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_impl(
+std::tuple<at::Tensor, at::Tensor> forward_impl(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, const FusedLinearParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -138,46 +137,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_i
   OnlineKLPass<acc_t> kl_pass(p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr);
   walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, kl_pass);
 
-  const auto out_options = xs.options().dtype(acc_dtype);
-  at::Tensor loss = at::zeros({p.num_rows}, out_options);
-  at::Tensor lse_s = at::zeros({p.num_rows}, out_options);
-  at::Tensor lse_t = at::zeros({p.num_rows}, out_options);
-  at::Tensor kl_row = at::zeros({p.num_rows}, out_options);  // KL(p||q) reverse, KL(p||M) JSD
-  at::Tensor lse_ce = at::zeros({p.num_rows}, out_options);
+  at::Tensor loss = at::zeros({p.num_rows}, xs.options().dtype(acc_dtype));
+  at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, xs.options().dtype(acc_dtype));
   acc_t* loss_ = loss.data_ptr<acc_t>();
-  acc_t* lse_s_ = lse_s.data_ptr<acc_t>();
-  acc_t* lse_t_ = lse_t.data_ptr<acc_t>();
-  acc_t* kl_row_ = kl_row.data_ptr<acc_t>();
-  acc_t* lse_ce_ = lse_ce.data_ptr<acc_t>();
+  acc_t* stats_ = row_stats.data_ptr<acc_t>();
 
   const bool weight_by_student = p.kind == LossKind::kReverseKL;
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
     const KLState<acc_t>& st = kl_pass.kl[n];
-    lse_s_[n] = log_sum_exp(weight_by_student ? st.w : st.o);
-    lse_t_[n] = log_sum_exp(weight_by_student ? st.o : st.w);
+    const LogNormalizer<acc_t> norm_s = log_normalizer(weight_by_student ? st.w : st.o);
+    const LogNormalizer<acc_t> norm_t = log_normalizer(weight_by_student ? st.o : st.w);
+    acc_t* row = stats_ + n * kNumRowStats;
+    row[kMaxS] = norm_s.max;
+    row[kLogSumS] = norm_s.log_sum;
+    row[kMaxT] = norm_t.max;
+    row[kLogSumT] = norm_t.log_sum;
     loss_[n] = kl_divergence(st);
-    kl_row_[n] = loss_[n];
+    row[kGradCenter] = st.a / st.w.l;  // E_w[w - o]: the reverse KL gradient's centre
   }
   if (p.kind == LossKind::kJSD) {
-    MixturePass<acc_t> mix(p, valid.data(), lse_s_, lse_t_);
+    MixturePass<acc_t> mix(p, valid.data(), stats_);
     walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, mix);
     const acc_t beta = static_cast<acc_t>(p.beta);
     for (int64_t n = 0; n < p.num_rows; ++n) {
       if (!valid[n]) continue;
       loss_[n] = beta * mix.kl_q_m[n] + (acc_t(1) - beta) * mix.kl_p_m[n];
-      kl_row_[n] = mix.kl_p_m[n];
+      stats_[n * kNumRowStats + kGradCenter] = mix.kl_p_m[n];
     }
   }
   if (p.ce_weight != 0.0) {
     const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
     for (int64_t n = 0; n < p.num_rows; ++n) {
       if (!valid[n]) continue;
-      lse_ce_[n] = log_sum_exp(kl_pass.ce[n]);
-      loss_[n] += ce_weight * (lse_ce_[n] - kl_pass.label_logit[n]);
+      const LogNormalizer<acc_t> norm_ce = log_normalizer(kl_pass.ce[n]);
+      stats_[n * kNumRowStats + kMaxCE] = norm_ce.max;
+      stats_[n * kNumRowStats + kLogSumCE] = norm_ce.log_sum;
+      loss_[n] -= ce_weight * log_prob(kl_pass.label_logit[n], norm_ce);
     }
   }
-  return {loss, lse_s, lse_t, kl_row, lse_ce};
+  return {loss, row_stats};
 }
 
 // Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place, and
@@ -187,7 +186,8 @@ struct GradientPass {
   const FusedLinearParams& p;
   const uint8_t* valid;
   const int64_t* label;
-  const acc_t *grad, *lse_s, *lse_t, *kl_row, *lse_ce;
+  const acc_t* grad;   // [N] upstream gradient per row
+  const acc_t* stats;  // [N, kNumRowStats]
   DivergenceParams<acc_t> div;
   at::Tensor dxs_acc;       // [N, D_s] or undefined
   at::Tensor dws;           // [V_rows, D_s] in the input dtype, or undefined
@@ -206,12 +206,14 @@ struct GradientPass {
     const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
     const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
     const int64_t y = label != nullptr ? label[n] - v0 : -1;
+    const acc_t* row = stats + n * kNumRowStats;
+    const LogNormalizer<acc_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
+    const LogNormalizer<acc_t> norm_ce{row[kMaxCE], row[kLogSumCE]};
     for (int64_t v = 0; v < cols; ++v) {
       const acc_t z = zs[v];
-      const acc_t log_p = z * inv_t - lse_s[n];
-      const acc_t log_q = zt[v] * inv_t - lse_t[n];
-      acc_t dz = divergence_grad(div, log_p, log_q, kl_row[n]) * inv_t;
-      if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(z - lse_ce[n]) - acc_t(v == y ? 1 : 0));
+      const acc_t s = z * inv_t, t = zt[v] * inv_t;
+      acc_t dz = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), row[kGradCenter]) * inv_t;
+      if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(log_prob(z, norm_ce)) - acc_t(v == y ? 1 : 0));
       zs[v] = grad[n] * dz * softcap_grad_from_capped(z, cap_s);
     }
   }
@@ -230,8 +232,7 @@ struct GradientPass {
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor> backward_impl(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
-    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& lse_s,
-    const at::Tensor& lse_t, const at::Tensor& kl_row, const at::Tensor& lse_ce,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats,
     const FusedLinearParams& p, bool compute_dxs, bool compute_dws) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
@@ -241,13 +242,10 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(
   const std::vector<uint8_t> valid = row_mask(labels, p);
   const TilePlan plan = plan_tiles(p);
   const at::Tensor grad_c = grad_loss.to(acc_dtype).contiguous();
-  const at::Tensor lse_s_c = lse_s.contiguous(), lse_t_c = lse_t.contiguous();
-  const at::Tensor kl_row_c = kl_row.contiguous(), lse_ce_c = lse_ce.contiguous();
+  const at::Tensor stats_c = row_stats.to(acc_dtype).contiguous();
 
   GradientPass<acc_t> pass{p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr,
-                           grad_c.data_ptr<acc_t>(), lse_s_c.data_ptr<acc_t>(), lse_t_c.data_ptr<acc_t>(),
-                           kl_row_c.data_ptr<acc_t>(), lse_ce_c.data_ptr<acc_t>(),
-                           divergence_params<acc_t>(p)};
+                           grad_c.data_ptr<acc_t>(), stats_c.data_ptr<acc_t>(), divergence_params<acc_t>(p)};
   if (compute_dxs) pass.dxs_acc = at::zeros({p.num_rows, p.hidden_s}, xs_acc.options());
   if (compute_dws) {
     pass.dws = at::zeros_like(ws, at::MemoryFormat::Contiguous);  // padded rows past vocab_size stay 0
@@ -264,7 +262,7 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_distill_fwd_cpu(
+std::tuple<at::Tensor, at::Tensor> fused_linear_distill_fwd_cpu(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta, double temperature,
     double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
@@ -273,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
                                                        temperature, ce_weight, softcap_s, softcap_t,
                                                        vocab_size, chunk_v);
   check_cpu(xs, "xs");
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
+  std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_fwd_cpu", [&] {
     out = forward_impl<scalar_t>(xs, xt, ws.contiguous(), wt.contiguous(), labels, p);
   });
@@ -282,8 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_lin
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
-    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& lse_s,
-    const at::Tensor& lse_t, const at::Tensor& kl_row, const at::Tensor& lse_ce, int64_t ignore_index,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats, int64_t ignore_index,
     double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
     c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v, bool compute_dxs,
     bool compute_dws) {
@@ -291,18 +288,17 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cpu(
                                                        temperature, ce_weight, softcap_s, softcap_t,
                                                        vocab_size, chunk_v);
   check_cpu(xs, "xs");
-  for (const at::Tensor* t : {&grad_loss, &lse_s, &lse_t, &kl_row, &lse_ce}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == p.num_rows,
-                "per-row gradient and statistics must be [N] = [", p.num_rows, "], got ", t->sizes());
-    TORCH_CHECK(t->device().is_cpu(), "per-row gradient and statistics must be on the CPU");
-  }
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows,
+              "grad_loss must be [N] = [", p.num_rows, "], got ", grad_loss.sizes());
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
+              "row_stats must be [N, ", int(kNumRowStats), "] = [", p.num_rows, ", ", int(kNumRowStats),
+              "] as the forward returns it, got ", row_stats.sizes());
+  check_cpu(grad_loss, "grad_loss");
+  check_cpu(row_stats, "row_stats");
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_bwd_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-    out = backward_impl<scalar_t>(grad_loss, xs, xt, ws.contiguous(), wt.contiguous(), labels,
-                                  lse_s.to(acc_dtype), lse_t.to(acc_dtype), kl_row.to(acc_dtype),
-                                  lse_ce.to(acc_dtype), p, compute_dxs, compute_dws);
+    out = backward_impl<scalar_t>(grad_loss, xs, xt, ws.contiguous(), wt.contiguous(), labels, row_stats, p,
+                                  compute_dxs, compute_dws);
   });
   return out;
 }

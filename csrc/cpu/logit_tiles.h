@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 
 #include "../fused_linear_params.h"
 
@@ -32,6 +33,26 @@ inline TilePlan plan_tiles(const FusedLinearParams& p) {
   plan.vocab_tile = std::min(p.chunk_v > 0 ? p.chunk_v : kDefaultVocabTile, p.vocab_size);
   plan.row_tile = std::max<int64_t>(1, std::min(p.num_rows, kMaxTileElements / plan.vocab_tile));
   return plan;
+}
+
+// Sums K series term(v) -> std::array<T, K> over v in [0, count) in kLanes interleaved
+// partial sums that are then added pairwise, as the per-thread partials of a GPU block
+// reduction are: the rounding error grows with count / kLanes rather than count.
+template <typename T, size_t K, typename Term>
+std::array<T, K> lane_sums(int64_t count, Term term) {
+  constexpr int kLanes = 16;
+  std::array<T, K> lanes[kLanes] = {};
+  for (int64_t v = 0; v < count; ++v) {
+    const std::array<T, K> x = term(v);
+    std::array<T, K>& lane = lanes[v % kLanes];
+    for (size_t k = 0; k < K; ++k) lane[k] += x[k];
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int i = 0; i < width; ++i) {
+      for (size_t k = 0; k < K; ++k) lanes[i][k] += lanes[i + width][k];
+    }
+  }
+  return lanes[0];
 }
 
 // One (vocab tile, row chunk) block of logits as the visitor sees it.

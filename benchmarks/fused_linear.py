@@ -1,0 +1,326 @@
+"""Benchmark the fused-linear distillation losses: methods x shapes x modes -> CSV (+ PNG plot).
+
+    python benchmarks/fused_linear.py --loss forward_kl --repeats 5
+    python benchmarks/fused_linear.py --device cpu --shape 512,32000,1024,1536 --modes forward
+
+Each row is one (method, shape, mode): median and min wall time of `--repeats` runs after
+`--warmup` runs, the peak memory above what the inputs hold, and the time as a ratio to the
+`naive` method measured in the same invocation. peak_extra_mib is torch.cuda.max_memory_allocated
+growth on CUDA; on CPU there is no allocator counter, so every measurement runs in a fresh
+subprocess and reports that process's peak RSS growth (VmHWM), which includes the allocator's slack.
+
+A method is a function (xs, xt, ws, wt, *, loss, reduction) -> Tensor; add one with @method("name").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import nitrobrew
+from nitrobrew import reference
+
+BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # each loss as a beta of the reference
+DEFAULT_SHAPES = {
+    "cpu": (512, 32000, 1024, 1536),
+    "cuda": (8192, 152064, 3584, 5120),  # DESIGN.md's Qwen-7B -> 14B reference problem
+}
+COLUMNS = [
+    "date", "device", "torch", "cuda", "threads", "method", "loss", "mode", "dtype", "N", "V", "Ds", "Dt",
+    "status", "median_ms", "min_ms", "peak_extra_mib", "memory_metric", "time_vs_naive", "loss_value",
+]
+ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "time_vs_naive"}  # loss_value keeps full precision
+OOM_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+METHODS = {}
+
+
+def method(name):
+    def register(fn):
+        METHODS[name] = fn
+        return fn
+    return register
+
+
+@method("nitrobrew")
+def _nitrobrew(xs, xt, ws, wt, *, loss, reduction):
+    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra)
+
+
+@method("naive")
+def _naive(xs, xt, ws, wt, *, loss, reduction):
+    # dtype=None keeps the inputs' dtype: both [N, V] logit matrices are materialized, as plain PyTorch does.
+    return reference.fused_linear_distill(xs, xt, ws, wt, beta=BETAS[loss], reduction=reduction, dtype=None)
+
+
+def make_inputs(shape, dtype, device, requires_grad):
+    n, v, ds, dt = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(rows, cols, std=1.0):
+        # Drawn straight in `dtype` and scaled in place: no float32 temporaries to inflate the RSS baseline.
+        return torch.randn(rows, cols, generator=gen, dtype=dtype, device=device).mul_(std)
+
+    # x ~ N(0, 1) and W ~ N(0, 1/D) give logits ~ N(0, 1): a realistic spread, KL(q || p) near 1.
+    xs, xt = randn(n, ds), randn(n, dt)
+    ws, wt = randn(v, ds, ds ** -0.5), randn(v, dt, dt ** -0.5)
+    return xs.requires_grad_(requires_grad), xt, ws.requires_grad_(requires_grad), wt
+
+
+def _vm_kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+class PeakMemory:
+    """Peak memory above what is held when start() is called, in MiB."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        try:  # "5" resets the kernel's peak-RSS mark to the current RSS (Linux >= 4.0)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass  # then the baseline is the peak so far: the inputs' creation, which is at least the inputs
+        self.base = _vm_kib("VmHWM")
+
+    def extra_mib(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        return (_vm_kib("VmHWM") - self.base) / 1024
+
+
+def time_runs(run, device, warmup, repeats):
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def measure(spec):
+    """One (method, shape, mode): returns status, times, peak memory and the loss (mean over tokens)."""
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    fn, loss, fwd_bwd = METHODS[spec["method"]], spec["loss"], spec["mode"] == "fwd_bwd"
+    last = {}
+
+    def run():
+        if fwd_bwd:
+            out = fn(xs, xt, ws, wt, loss=loss, reduction="mean")
+            # autograd.grad hands back fresh gradients instead of accumulating: every run does the same work.
+            torch.autograd.grad(out, (xs, ws), torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                out = fn(xs, xt, ws, wt, loss=loss, reduction="none")
+        last["out"] = out.detach()
+
+    try:
+        xs, xt, ws, wt = make_inputs(spec["shape"], dtype, device, requires_grad=fwd_bwd)
+        for t in (xs, xt, ws, wt):  # touch every input so it is resident before the memory baseline
+            t.detach().sum().item()
+        peak = PeakMemory(device)
+        peak.start()
+        times = time_runs(run, device, spec["warmup"], spec["repeats"])
+        extra = peak.extra_mib()
+    except Exception as e:  # noqa: BLE001 -- one failed row must not end the sweep; it is recorded
+        # The CPU allocator raises a plain RuntimeError, not OutOfMemoryError, when malloc fails.
+        if isinstance(e, OOM_ERROR) or "can't allocate memory" in str(e):
+            return {"status": "oom"}
+        traceback.print_exc()
+        return {"status": "error"}
+    return {
+        "status": "ok",
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "peak_extra_mib": extra,
+        "loss_value": last["out"].float().mean().item(),
+    }
+
+
+def measure_in_subprocess(spec):
+    # A fresh process per measurement, so the peak RSS belongs to this measurement alone.
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+    if proc.returncode in (-9, 137):  # SIGKILL: almost always the kernel's OOM killer
+        return {"status": "oom"}
+    if proc.returncode != 0:
+        return {"status": "error"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def fmt(value, spec=".1f"):
+    return "" if value is None or value == "" else format(value, spec)
+
+
+def print_table(rows):
+    head = f"{'method':<12}{'mode':<9}{'N':>6}{'V':>8}{'Ds':>6}{'Dt':>6}{'median ms':>11}{'min ms':>10}"
+    print(head + f"{'peak MiB':>10}{'vs naive':>10}{'loss':>10}")
+    for r in rows:
+        numbers = (
+            f"{fmt(r.get('median_ms')):>11}{fmt(r.get('min_ms')):>10}{fmt(r.get('peak_extra_mib')):>10}"
+            f"{fmt(r.get('time_vs_naive'), '.3f'):>10}{fmt(r.get('loss_value'), '.5f'):>10}"
+            if r["status"] == "ok" else f"{r['status']:>11}"
+        )
+        print(f"{r['method']:<12}{r['mode']:<9}{r['N']:>6}{r['V']:>8}{r['Ds']:>6}{r['Dt']:>6}" + numbers)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): skipping the plot")
+        return
+    rows = [r for r in rows if r["status"] == "ok"]
+    if not rows:
+        print("no successful measurement: skipping the plot")
+        return
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    shapes = list(dict.fromkeys((r["N"], r["V"], r["Ds"], r["Dt"]) for r in rows))
+    fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 7), squeeze=False)
+    width = 0.8 / len(methods)
+    for col, mode in enumerate(modes):
+        for row, (key, label) in enumerate((("median_ms", "median time (ms)"), ("peak_extra_mib", "peak extra (MiB)"))):
+            ax = axes[row][col]
+            for i, m in enumerate(methods):
+                vals = {(r["N"], r["V"], r["Ds"], r["Dt"]): r.get(key) for r in rows if r["method"] == m and r["mode"] == mode}
+                heights = [vals.get(s) or 0.0 for s in shapes]  # oom / missing draw as an empty slot
+                ax.bar([j + i * width for j in range(len(shapes))], heights, width, label=m)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+            ax.set_xticklabels([f"N={n} V={v}\nDs={ds} Dt={dt}" for n, v, ds, dt in shapes], fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(f"{rows[0]['loss']} {mode} ({rows[0]['dtype']})")
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{rows[0]['device']}, torch {rows[0]['torch']}, {rows[0]['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_shape(text):
+    parts = tuple(int(p) for p in text.split(","))
+    if len(parts) != 4 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected N,V,Ds,Dt (four positive ints), got {text!r}")
+    return parts
+
+
+def main():
+    has_cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--modes", nargs="+", choices=["forward", "fwd_bwd"], default=["forward", "fwd_bwd"])
+    p.add_argument("--loss", choices=list(BETAS), default="forward_kl")
+    p.add_argument("--shape", type=parse_shape, action="append", help="N,V,Ds,Dt (repeatable)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, help="default: 1 on cpu (runs take seconds), 3 on cuda")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (cpu)")
+    p.add_argument("--out", type=Path, help="CSV path; the plot goes beside it as .png")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # JSON spec: measure once, print the result as JSON
+    args = p.parse_args()
+
+    if args.worker:
+        spec = json.loads(args.worker)
+        if spec["threads"]:
+            torch.set_num_threads(spec["threads"])
+        print(json.dumps(measure(spec)))
+        return
+    if args.device == "cuda" and not has_cuda:
+        p.error("--device cuda, but torch.cuda.is_available() is False")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
+    shapes = args.shape or [DEFAULT_SHAPES[device.type]]
+    today = datetime.date.today().isoformat()
+    out = args.out or Path(__file__).resolve().parent / "results" / f"fused_linear_{device.type}_{today}.csv"
+    meta = {
+        "date": today, "device": device_name(device), "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none", "threads": torch.get_num_threads(),
+        "loss": args.loss, "dtype": dtype,
+        "memory_metric": "cuda_max_allocated" if device.type == "cuda" else "cpu_process_peak_rss",
+    }
+
+    rows, total = [], len(shapes) * len(args.modes) * len(args.methods)
+    for shape in shapes:
+        for mode in args.modes:
+            for name in args.methods:
+                print(f"[{len(rows) + 1}/{total}] {name} {args.loss} {mode} N,V,Ds,Dt={shape} {dtype}", flush=True)
+                spec = {"method": name, "loss": args.loss, "mode": mode, "shape": shape, "dtype": dtype,
+                        "device": args.device, "warmup": warmup, "repeats": args.repeats, "threads": args.threads}
+                result = measure_in_subprocess(spec) if device.type == "cpu" else measure(spec)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
+                rows.append({**meta, "method": name, "mode": mode, **dict(zip(("N", "V", "Ds", "Dt"), shape)), **result})
+
+    # Ratios to the naive method of the same shape and mode: absolute times only mean something in one run.
+    naive = {(r["N"], r["V"], r["Ds"], r["Dt"], r["mode"]): r.get("median_ms") for r in rows if r["method"] == "naive"}
+    for r in rows:
+        base = naive.get((r["N"], r["V"], r["Ds"], r["Dt"], r["mode"]))
+        if r["status"] == "ok" and base:
+            r["time_vs_naive"] = r["median_ms"] / base
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (round(v, 3) if k in ROUNDED else v) for k, v in r.items()})
+    print(f"\n{meta['device']}, torch {meta['torch']}, cuda {meta['cuda']}, {meta['threads']} threads, "
+          f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up; peak MiB = {meta['memory_metric']}")
+    print_table(rows)
+    print(f"wrote {out}")
+    plot(rows, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Problem factories and the tolerance rule shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+import nitrobrew
+from nitrobrew import reference
+
+LOSSES = {0.0: nitrobrew.forward_kl, 1.0: nitrobrew.reverse_kl}
+
+
+def nitrobrew_loss(xs, xt, ws, wt, *, beta, **options):
+    """The public function for a beta: forward_kl (0), reverse_kl (1), jsd (otherwise)."""
+    if beta in LOSSES:
+        return LOSSES[beta](xs, xt, ws, wt, **options)
+    return nitrobrew.jsd(xs, xt, ws, wt, beta=beta, **options)
+
+
+def make_problem(n=37, v=1000, d_s=24, d_t=40, *, lead=None, scale=3.0, rows_s=None, rows_t=None,
+                 dtype=torch.float32, device="cpu", masked=False, seed=0):
+    """Random student/teacher hidden states and unembeddings whose logits have std ~ scale.
+
+    rows_s / rows_t pad the weight matrices past v (as padded vocabularies do)."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (n,) if lead is None else lead
+    xs = torch.randn(*lead, d_s, generator=g, dtype=torch.float64)
+    xt = torch.randn(*lead, d_t, generator=g, dtype=torch.float64)
+    ws = torch.randn(rows_s or v, d_s, generator=g, dtype=torch.float64) * scale / d_s**0.5
+    wt = torch.randn(rows_t or v, d_t, generator=g, dtype=torch.float64) * scale / d_t**0.5
+    labels = torch.randint(0, v, lead, generator=g)
+    if masked:
+        drop = torch.rand(lead, generator=g) < 0.3
+        labels = torch.where(drop, torch.full_like(labels, -100), labels)
+    xs, xt, ws, wt = (t.to(dtype=dtype, device=device) for t in (xs, xt, ws, wt))
+    return xs, xt, ws, wt, labels.to(device)
+
+
+def max_error(actual, oracle):
+    return (actual.double() - oracle.double()).abs().max().item() if oracle.numel() else 0.0
+
+
+def assert_close_to_oracle(actual, oracle64, same_precision, *, k=2.0, rel_floor=1e-6, what=""):
+    """|actual - oracle| may be at most k times the error of a plain PyTorch implementation
+    evaluated in the precision the kernel accumulates in (STYLE.md habit 10), plus a floor
+    relative to the values' magnitude for when that error happens to be ~0."""
+    assert actual.shape == oracle64.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(oracle64.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = max_error(actual, oracle64)
+    # The same-precision result rounded to the output's dtype (gradients come back in the inputs' dtype).
+    baseline = max_error(same_precision.to(actual.dtype), oracle64)
+    scale = max(oracle64.abs().max().item() if oracle64.numel() else 0.0, 1.0)
+    bound = k * baseline + rel_floor * scale
+    assert err <= bound, f"{what}: error {err:.3e} > {k} x same-precision error {baseline:.3e} + {rel_floor * scale:.1e}"
+
+
+def reference_values_and_grads(xs, xt, ws, wt, upstream, *, dtype, **options):
+    """Reference loss and (dxs, dws) by autograd, evaluated in `dtype`."""
+    xs_ = xs.detach().to(dtype).requires_grad_()
+    ws_ = ws.detach().to(dtype).requires_grad_()
+    loss = reference.fused_linear_distill(xs_, xt.to(dtype), ws_, wt.to(dtype), dtype=None, **options)
+    dxs, dws = torch.autograd.grad(loss, (xs_, ws_), upstream.to(dtype))
+    return loss.detach(), dxs, dws
+
+
+def nitrobrew_values_and_grads(xs, xt, ws, wt, upstream, *, beta, **options):
+    xs_ = xs.detach().clone().requires_grad_()
+    ws_ = ws.detach().clone().requires_grad_()
+    loss = nitrobrew_loss(xs_, xt, ws_, wt, beta=beta, **options)
+    dxs, dws = torch.autograd.grad(loss, (xs_, ws_), upstream.to(loss.dtype))
+    return loss.detach(), dxs, dws
+
+
+def check_against_reference(xs, xt, ws, wt, *, beta, upstream=None, k=2.0, rel_floor=1e-6, chunk_V=None, **options):
+    """Values and gradients of nitrobrew vs the float64 oracle, with the same-precision
+    reference (float32 for float32/bf16/fp16 inputs, which nitrobrew accumulates in fp32)."""
+    reduction = options.get("reduction", "mean")
+    if upstream is None:
+        shape = xs.shape[:-1] if reduction == "none" else ()
+        upstream = torch.randn(shape, dtype=torch.float64, device=xs.device)
+    ours = nitrobrew_values_and_grads(xs, xt, ws, wt, upstream, beta=beta, chunk_V=chunk_V, **options)
+    oracle = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float64, beta=beta, **options)
+    same_dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32
+    same = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=same_dtype, beta=beta, **options)
+    assert ours[0].dtype == same_dtype, f"loss dtype {ours[0].dtype}, expected {same_dtype}"
+    assert ours[1].dtype == xs.dtype and ours[2].dtype == ws.dtype, "gradients must have the inputs' dtype"
+    for name, a, o, s in zip(("loss", "dxs", "dws"), ours, oracle, same):
+        assert_close_to_oracle(a, o, s, k=k, rel_floor=rel_floor, what=name)
+    return ours, oracle

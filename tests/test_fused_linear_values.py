@@ -1,0 +1,167 @@
+"""Values and gradients of the fused-linear losses against the float64 reference."""
+
+import itertools
+
+import pytest
+import torch
+
+from helpers import check_against_reference, make_problem, nitrobrew_loss
+
+BETAS = [0.0, 1.0, 0.5]  # forward KL, reverse KL, JSD
+
+
+@pytest.mark.parametrize(
+    "beta,reduction,masked,ce_weight,softcap,padded",
+    list(itertools.product(BETAS, ["none", "sum", "mean"], [False, True], [0.0, 0.5], [False, True], [False, True])),
+)
+def test_every_option(device, beta, reduction, masked, ce_weight, softcap, padded):
+    # V = 1000 over tiles of 96: neither N = 37 nor V divides a tile.
+    rows = 1024 if padded else None
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=masked, rows_s=rows, rows_t=rows)
+    options = dict(reduction=reduction, labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
+                   temperature=1.5, vocab_size=1000 if padded else None)
+    if softcap:
+        options.update(softcap_s=4.0, softcap_t=6.0)
+    check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, **options)
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.9])
+def test_jsd_beta_near_endpoints(device, beta):
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", chunk_V=128)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [0.1, 0.5, 2.0, 10.0])
+def test_temperatures(device, beta, temperature):
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, temperature=temperature, labels=labels, ce_weight=0.3,
+                            reduction="none")
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_logits_of_magnitude_1e4_are_finite_and_correct(device, beta):
+    # Hidden states scaled so that logits reach ~1e4: distributions are near one-hot and the
+    # float32 log-normalizers are ~1e4, so only relative accuracy is meaningful.
+    xs, xt, ws, wt, labels = make_problem(n=19, v=700, device=device, scale=3000.0, masked=True)
+    (loss, dxs, dws), _ = check_against_reference(
+        xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", ce_weight=0.1, chunk_V=64
+    )
+    assert loss.abs().max() > 10, "the test should reach large losses"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("beta", BETAS)
+def test_dtypes(device, dtype, beta):
+    if device == "cpu" or dtype != torch.float64:
+        xs, xt, ws, wt, labels = make_problem(dtype=dtype, device=device, masked=True)
+        # float64 inputs are accumulated in float64: hold them to a float64 tolerance.
+        rel_floor = 1e-12 if dtype == torch.float64 else 1e-6
+        check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", ce_weight=0.2,
+                                rel_floor=rel_floor)
+
+
+@pytest.mark.parametrize("chunk_V", [1, 7, 96, 999, 1000, 4096, None])
+def test_vocab_tile_widths(device, chunk_V):
+    xs, xt, ws, wt, labels = make_problem(n=13, device=device, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=0.5, labels=labels, reduction="sum", ce_weight=0.2,
+                            chunk_V=chunk_V)
+
+
+def test_several_default_tiles_and_row_chunks(device):
+    # V = 2500 spans three default tiles (1024); 2^22 / 1024 = 4096 rows per chunk, so
+    # N = 4100 spans two row chunks.
+    xs, xt, ws, wt, labels = make_problem(n=4100, v=2500, d_s=8, d_t=12, device=device, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=1.0, labels=labels, reduction="mean", ce_weight=0.2)
+
+
+def test_leading_shape_and_per_token_weights(device):
+    xs, xt, ws, wt, labels = make_problem(lead=(3, 13), device=device, masked=True)
+    weights = torch.rand(3, 13, dtype=torch.float64, device=device)  # e.g. per-token RL advantages
+    (loss, dxs, _), _ = check_against_reference(
+        xs, xt, ws, wt, beta=0.5, labels=labels, reduction="none", upstream=weights
+    )
+    assert loss.shape == (3, 13) and dxs.shape == xs.shape
+    assert (loss[labels == -100] == 0).all()
+
+
+def test_single_token(device):
+    xs, xt, ws, wt, labels = make_problem(n=1, device=device)
+    check_against_reference(xs, xt, ws, wt, beta=0.0, reduction="mean", labels=labels, ce_weight=1.0)
+
+
+def test_non_contiguous_inputs(device):
+    xs, xt, ws, wt, labels = make_problem(n=40, d_s=48, d_t=40, device=device, masked=True)
+    xs = xs[::2, ::2]                          # [20, 24], strided both ways
+    xt = xt.T.contiguous().T[::2]              # [20, 40], column-major
+    ws = ws[:, 1::2]                           # [1000, 24], row stride 48
+    wt = wt.T.contiguous().T                   # column-major
+    labels = labels[::2]
+    assert not (xs.is_contiguous() or xt.is_contiguous() or ws.is_contiguous() or wt.is_contiguous())
+    check_against_reference(xs, xt, ws, wt, beta=0.5, labels=labels, reduction="none", ce_weight=0.5)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_no_tokens(device, reduction):
+    xs, xt, ws, wt, _ = make_problem(n=0, device=device)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    loss = nitrobrew_loss(xs, xt, ws, wt, beta=0.5, reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert torch.isfinite(loss).all() and (loss == 0).all()
+    loss.sum().backward()
+    assert xs.grad.shape == xs.shape and (ws.grad == 0).all()
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_all_tokens_masked(device, beta, reduction):
+    xs, xt, ws, wt, labels = make_problem(n=9, device=device)
+    labels = torch.full_like(labels, -7)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    loss = nitrobrew_loss(xs, xt, ws, wt, beta=beta, reduction=reduction, labels=labels, ignore_index=-7,
+                          ce_weight=0.5)
+    assert torch.isfinite(loss).all() and (loss == 0).all()
+    loss.sum().backward()
+    assert (xs.grad == 0).all() and (ws.grad == 0).all()
+
+
+def test_mean_is_sum_over_unmasked_tokens(device):
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    per_token = nitrobrew_loss(xs, xt, ws, wt, beta=0.0, labels=labels, reduction="none")
+    mean = nitrobrew_loss(xs, xt, ws, wt, beta=0.0, labels=labels, reduction="mean")
+    batchmean = nitrobrew_loss(xs, xt, ws, wt, beta=0.0, labels=labels, reduction="batchmean")
+    valid = (labels != -100).sum()
+    torch.testing.assert_close(mean, per_token.sum() / valid)
+    torch.testing.assert_close(batchmean, mean)
+
+
+@pytest.mark.parametrize("grad_of", ["xs", "ws"])
+def test_gradient_to_one_input_only(device, grad_of):
+    # Frozen unembedding (LoRA) or frozen body: the other gradient is neither needed nor computed.
+    xs, xt, ws, wt, labels = make_problem(device=device)
+    full_xs, full_ws = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    nitrobrew_loss(full_xs, xt, full_ws, wt, beta=1.0).backward()
+    target = (xs if grad_of == "xs" else ws).requires_grad_()
+    nitrobrew_loss(xs, xt, ws, wt, beta=1.0).backward()
+    torch.testing.assert_close(target.grad, full_xs.grad if grad_of == "xs" else full_ws.grad)
+    other = ws if grad_of == "xs" else xs
+    assert other.grad is None
+
+
+def test_teacher_receives_no_gradient(device):
+    xs, xt, ws, wt, _ = make_problem(device=device)
+    for t in (xs, xt, ws, wt):
+        t.requires_grad_()
+    nitrobrew_loss(xs, xt, ws, wt, beta=0.5).backward()
+    assert xt.grad is None and wt.grad is None
+    assert xs.grad is not None and ws.grad is not None
+
+
+def test_jsd_endpoints_are_the_kl_losses(device):
+    xs, xt, ws, wt, _ = make_problem(device=device)
+    import nitrobrew
+
+    torch.testing.assert_close(nitrobrew.jsd(xs, xt, ws, wt, beta=0.0), nitrobrew.forward_kl(xs, xt, ws, wt))
+    torch.testing.assert_close(nitrobrew.jsd(xs, xt, ws, wt, beta=1.0), nitrobrew.reverse_kl(xs, xt, ws, wt))
