@@ -53,11 +53,12 @@ def load_extension() -> None:
         raise ImportError(f"{_BUILD_HINT}\n(import error: {error})") from error
 
 
-def has_kernels_for(device_type: str) -> bool:
-    """Whether this build registered kernels for a device type ("cpu", "cuda")."""
+def kernel_device_types() -> frozenset:
+    """The device types ("cpu", "cuda") this build registered kernels for."""
     import torch
 
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "nitrobrew::fused_linear_distill_fwd", key
+    return frozenset(
+        device
+        for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+        if torch._C._dispatch_has_kernel_for_dispatch_key("nitrobrew::fused_linear_distill_fwd", key)
     )

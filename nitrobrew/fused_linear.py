@@ -21,10 +21,13 @@ import torch
 from torch import Tensor
 
 from nitrobrew import _checks
-from nitrobrew._extension import has_kernels_for
+from nitrobrew._extension import kernel_device_types
 from nitrobrew.ops import fused_linear_distill
 
 __all__ = ["forward_kl", "reverse_kl", "jsd"]
+
+# Read once at import: torch.compile cannot trace the dispatcher query itself.
+_KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
 def _resolve_vocab_size(ws: Tensor, wt: Tensor, vocab_size) -> int:
@@ -70,7 +73,7 @@ def _fused_linear_loss(
             f"wt {wt.dtype}; cast the teacher's tensors to the student's dtype"
         )
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
-    if not has_kernels_for(xs.device.type):
+    if xs.device.type not in _KERNEL_DEVICE_TYPES:
         raise RuntimeError(
             f"this build of nitrobrew has no kernels for {xs.device.type} tensors; rebuild it on a machine "
             f"with a CUDA toolkit and a CUDA build of torch (see the README's build section)"
