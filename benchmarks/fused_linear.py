@@ -18,6 +18,8 @@ import argparse
 import csv
 import datetime
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -85,29 +87,24 @@ def _vm_kib(field):
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-class PeakMemory:
-    """Peak memory above what is held when start() is called, in MiB."""
+def memory_baseline(device):
+    """Resets the peak-memory mark; returns what is held now (bytes), for peak_extra_mib."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:  # "5" resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the baseline is the peak so far: creating the inputs, which is at least the inputs
+    return _vm_kib("VmHWM") * 1024
 
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
 
-    def start(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return
-        try:  # "5" resets the kernel's peak-RSS mark to the current RSS (Linux >= 4.0)
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass  # then the baseline is the peak so far: the inputs' creation, which is at least the inputs
-        self.base = _vm_kib("VmHWM")
-
-    def extra_mib(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        return (_vm_kib("VmHWM") - self.base) / 1024
+def peak_extra_mib(device, baseline):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - baseline) / 2**20
+    return (_vm_kib("VmHWM") * 1024 - baseline) / 2**20
 
 
 def time_runs(run, device, warmup, repeats):
@@ -149,10 +146,9 @@ def measure(spec):
         xs, xt, ws, wt = make_inputs(spec["shape"], dtype, device, requires_grad=fwd_bwd)
         for t in (xs, xt, ws, wt):  # touch every input so it is resident before the memory baseline
             t.detach().sum().item()
-        peak = PeakMemory(device)
-        peak.start()
+        baseline = memory_baseline(device)
         times = time_runs(run, device, spec["warmup"], spec["repeats"])
-        extra = peak.extra_mib()
+        extra = peak_extra_mib(device, baseline)
     except Exception as e:  # noqa: BLE001 -- one failed row must not end the sweep; it is recorded
         # The CPU allocator raises a plain RuntimeError, not OutOfMemoryError, when malloc fails.
         if isinstance(e, OOM_ERROR) or "can't allocate memory" in str(e):
@@ -170,7 +166,8 @@ def measure(spec):
 
 def measure_in_subprocess(spec):
     # A fresh process per measurement, so the peak RSS belongs to this measurement alone.
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: tracebacks show
     if proc.returncode in (-9, 137):  # SIGKILL: almost always the kernel's OOM killer
         return {"status": "oom"}
     if proc.returncode != 0:
@@ -181,15 +178,10 @@ def measure_in_subprocess(spec):
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return models[0] if models else platform.processor() or "cpu"
 
 
 def fmt(value, spec=".1f"):
@@ -197,15 +189,15 @@ def fmt(value, spec=".1f"):
 
 
 def print_table(rows):
-    head = f"{'method':<12}{'mode':<9}{'N':>6}{'V':>8}{'Ds':>6}{'Dt':>6}{'median ms':>11}{'min ms':>10}"
-    print(head + f"{'peak MiB':>10}{'vs naive':>10}{'loss':>10}")
+    print(f"{'method':<12}{'mode':<9}{'(N, V, Ds, Dt)':<26}{'median ms':>11}{'min ms':>10}"
+          f"{'peak MiB':>10}{'vs naive':>10}{'loss':>10}")
     for r in rows:
         numbers = (
             f"{fmt(r.get('median_ms')):>11}{fmt(r.get('min_ms')):>10}{fmt(r.get('peak_extra_mib')):>10}"
             f"{fmt(r.get('time_vs_naive'), '.3f'):>10}{fmt(r.get('loss_value'), '.5f'):>10}"
             if r["status"] == "ok" else f"{r['status']:>11}"
         )
-        print(f"{r['method']:<12}{r['mode']:<9}{r['N']:>6}{r['V']:>8}{r['Ds']:>6}{r['Dt']:>6}" + numbers)
+        print(f"{r['method']:<12}{r['mode']:<9}{str(r['shape']):<26}" + numbers)
 
 
 def plot(rows, path):
@@ -223,15 +215,15 @@ def plot(rows, path):
         return
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    shapes = list(dict.fromkeys((r["N"], r["V"], r["Ds"], r["Dt"]) for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 7), squeeze=False)
     width = 0.8 / len(methods)
     for col, mode in enumerate(modes):
-        for row, (key, label) in enumerate((("median_ms", "median time (ms)"), ("peak_extra_mib", "peak extra (MiB)"))):
+        for row, (key, label) in enumerate([("median_ms", "median time (ms)"), ("peak_extra_mib", "peak extra (MiB)")]):
             ax = axes[row][col]
             for i, m in enumerate(methods):
-                vals = {(r["N"], r["V"], r["Ds"], r["Dt"]): r.get(key) for r in rows if r["method"] == m and r["mode"] == mode}
-                heights = [vals.get(s) or 0.0 for s in shapes]  # oom / missing draw as an empty slot
+                vals = {r["shape"]: r[key] for r in rows if r["method"] == m and r["mode"] == mode}
+                heights = [vals.get(s, 0.0) for s in shapes]  # a failed row draws as an empty slot
                 ax.bar([j + i * width for j in range(len(shapes))], heights, width, label=m)
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
             ax.set_xticklabels([f"N={n} V={v}\nDs={ds} Dt={dt}" for n, v, ds, dt in shapes], fontsize=8)
@@ -259,7 +251,7 @@ def main():
     p.add_argument("--loss", choices=list(BETAS), default="forward_kl")
     p.add_argument("--shape", type=parse_shape, action="append", help="N,V,Ds,Dt (repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 cpu, bfloat16 cuda")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, help="default: 1 on cpu (runs take seconds), 3 on cuda")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (cpu)")
@@ -300,23 +292,26 @@ def main():
                 result = measure_in_subprocess(spec) if device.type == "cpu" else measure(spec)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
-                rows.append({**meta, "method": name, "mode": mode, **dict(zip(("N", "V", "Ds", "Dt"), shape)), **result})
+                rows.append({**meta, "method": name, "mode": mode, "shape": shape, **result})
 
     # Ratios to the naive method of the same shape and mode: absolute times only mean something in one run.
-    naive = {(r["N"], r["V"], r["Ds"], r["Dt"], r["mode"]): r.get("median_ms") for r in rows if r["method"] == "naive"}
+    naive = {(r["shape"], r["mode"]): r.get("median_ms") for r in rows if r["method"] == "naive"}
     for r in rows:
-        base = naive.get((r["N"], r["V"], r["Ds"], r["Dt"], r["mode"]))
+        base = naive.get((r["shape"], r["mode"]))
         if r["status"] == "ok" and base:
             r["time_vs_naive"] = r["median_ms"] / base
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: (round(v, 3) if k in ROUNDED else v) for k, v in r.items()})
+            writer.writerow({**{k: (round(v, 3) if k in ROUNDED else v) for k, v in r.items()},
+                             **dict(zip(("N", "V", "Ds", "Dt"), r["shape"]))})
     print(f"\n{meta['device']}, torch {meta['torch']}, cuda {meta['cuda']}, {meta['threads']} threads, "
           f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up; peak MiB = {meta['memory_metric']}")
+    if device.type == "cpu":  # CPU timings are only as good as the machine was quiet
+        print(f"1-minute load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print_table(rows)
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))

@@ -63,4 +63,5 @@ def cxx_flags() -> list[str]:
 
 def nvcc_flags() -> list[str]:
     base = ["-O0", "-G", "-lineinfo"] if debug() else ["-O3", "-lineinfo"]
-    return base + ["-std=c++17", "--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + gencode_flags()
+    # The C++ standard is left to torch.utils.cpp_extension, which picks the one its headers need.
+    return base + ["--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + gencode_flags()

@@ -1,0 +1,33 @@
+# Developer entry points. `make demo` and `make test` are the README's quick start: each
+# installs what is missing (torch, test tools, the compiled extension) and then runs.
+PYTHON ?= python3
+# The CPU wheel of this version lies on the project's CI machines; any torch >= 2.4 works.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := build/.nitrobrew-installed
+BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml nitrobrew/_build.py
+
+.PHONY: install demo test cuda-check bench
+
+install: $(STAMP)
+
+$(STAMP): $(BUILD_INPUTS)
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); \
+	  sys.exit(0 if v >= (2, 4) else 'nitrobrew needs torch >= 2.4, found ' + torch.__version__)"
+	$(PYTHON) -m pip install --quiet ninja "pytest>=7" numpy expecttest
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@mkdir -p build && touch $@
+
+demo: install
+	$(PYTHON) -m nitrobrew
+
+test: install
+	$(PYTHON) -m pytest tests -q
+
+# Compile (not link, not run) every CUDA source for sm_80 and sm_90a: the check CI can do
+# without a GPU.
+cuda-check: install
+	bash tools/compile_cuda.sh
+
+bench: install
+	$(PYTHON) benchmarks/fused_linear.py

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Compiles every CUDA source under csrc/ with nvcc (compile only) for the architectures the
+# package ships (NITROBREW_CUDA_ARCHS, default 8.0 and 9.0a), against the installed torch's
+# headers. Needs no GPU. Fails if there are CUDA sources and no nvcc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mapfile -t sources < <(find csrc -name '*.cu' | sort)
+if [ ${#sources[@]} -eq 0 ]; then
+  echo "compile_cuda: no CUDA sources under csrc/"
+  exit 0
+fi
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+[ -x "$NVCC" ] || { echo "compile_cuda: nvcc not found; set NVCC or install the CUDA toolkit" >&2; exit 1; }
+python_=${PYTHON:-python3}
+mapfile -t flags < <("$python_" - <<'PY'
+import importlib.util, os, sysconfig
+import inspect
+import torch
+from torch.utils import cpp_extension
+from torch.utils.cpp_extension import include_paths
+print(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+# The standard torch's own build helper would pass (C++20 in recent releases, C++17 before).
+print("-std=c++20" if "-std=c++20" in inspect.getsource(cpp_extension) else "-std=c++17")
+for flag in cpp_extension.COMMON_NVCC_FLAGS:
+    print(flag)
+spec = importlib.util.spec_from_file_location("b", os.path.join("nitrobrew", "_build.py"))
+b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)
+for flag in b.nvcc_flags():
+    print(flag)
+for path in include_paths() + [sysconfig.get_paths()["include"], "csrc"]:
+    print("-I" + path)
+PY
+)
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for src in "${sources[@]}"; do
+  echo "compile_cuda: $src"
+  "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}"
+done
+echo "compile_cuda: ${#sources[@]} CUDA source(s) compiled"
