@@ -265,6 +265,8 @@ def main():
             torch.set_num_threads(spec["threads"])
         print(json.dumps(measure(spec)))
         return
+    if args.repeats < 1 or (args.warmup or 0) < 0:
+        p.error("--repeats must be at least 1 and --warmup at least 0")
     if args.device == "cuda" and not has_cuda:
         p.error("--device cuda, but torch.cuda.is_available() is False")
     if args.threads:
@@ -282,6 +284,7 @@ def main():
         "memory_metric": "cuda_max_allocated" if device.type == "cuda" else "cpu_process_peak_rss",
     }
 
+    load_before = os.getloadavg()[0]
     rows, total = [], len(shapes) * len(args.modes) * len(args.methods)
     for shape in shapes:
         for mode in args.modes:
@@ -311,7 +314,7 @@ def main():
     print(f"\n{meta['device']}, torch {meta['torch']}, cuda {meta['cuda']}, {meta['threads']} threads, "
           f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up; peak MiB = {meta['memory_metric']}")
     if device.type == "cpu":  # CPU timings are only as good as the machine was quiet
-        print(f"1-minute load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        print(f"1-minute load average before the runs: {load_before:.2f} on {os.cpu_count()} cores")
     print_table(rows)
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
