@@ -125,6 +125,26 @@ NB_HOST_DEVICE T log_add_exp(T a, T b) {
   return hi + log1p(exp_(lo - hi));
 }
 
+// Row statistics of the forward pass (the columns of RowStat in fused_linear_params.h are
+// written by the callers from these): the KL per row and both log-normalizers, from the
+// merged one-pass state. `weight_by_student` is true for reverse KL.
+template <typename T>
+struct KLRowResult {
+  LogNormalizer<T> norm_s, norm_t;
+  T kl;           // KL(w || o)
+  T grad_center;  // E_w[w - o], the reverse-KL gradient's centre
+};
+
+template <typename T>
+NB_HOST_DEVICE KLRowResult<T> finish_kl_row(const KLState<T>& st, bool weight_by_student) {
+  KLRowResult<T> r;
+  r.norm_s = log_normalizer(weight_by_student ? st.w : st.o);
+  r.norm_t = log_normalizer(weight_by_student ? st.o : st.w);
+  r.kl = kl_divergence(st);
+  r.grad_center = st.a / st.w.l;
+  return r;
+}
+
 // Per-row constants of the divergence, derived once from the loss options.
 template <typename T>
 struct DivergenceParams {

@@ -29,6 +29,9 @@ for flag in b.nvcc_flags():
     print(flag)
 for path in include_paths() + [sysconfig.get_paths()["include"], "csrc"]:
     print("-I" + path)
+# A CPU build of torch ships c10/cuda headers without their generated config header.
+if not any(os.path.exists(os.path.join(p, "c10/cuda/impl/cuda_cmake_macros.h")) for p in include_paths()):
+    print("-Itools/cuda_stubs")
 PY
 )
 out=$(mktemp -d)

@@ -145,16 +145,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
   const bool weight_by_student = p.kind == LossKind::kReverseKL;
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
-    const KLState<acc_t>& st = kl_pass.kl[n];
-    const LogNormalizer<acc_t> norm_s = log_normalizer(weight_by_student ? st.w : st.o);
-    const LogNormalizer<acc_t> norm_t = log_normalizer(weight_by_student ? st.o : st.w);
+    const KLRowResult<acc_t> r = finish_kl_row(kl_pass.kl[n], weight_by_student);
     acc_t* row = stats_ + n * kNumRowStats;
-    row[kMaxS] = norm_s.max;
-    row[kLogSumS] = norm_s.log_sum;
-    row[kMaxT] = norm_t.max;
-    row[kLogSumT] = norm_t.log_sum;
-    loss_[n] = kl_divergence(st);
-    row[kGradCenter] = st.a / st.w.l;  // E_w[w - o]: the reverse KL gradient's centre
+    row[kMaxS] = r.norm_s.max;
+    row[kLogSumS] = r.norm_s.log_sum;
+    row[kMaxT] = r.norm_t.max;
+    row[kLogSumT] = r.norm_t.log_sum;
+    row[kGradCenter] = r.grad_center;
+    loss_[n] = r.kl;
   }
   if (p.kind == LossKind::kJSD) {
     MixturePass<acc_t> mix(p, valid.data(), stats_);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, GPU tests, compute-sanitizer, benchmarks. Results and logs
+# go to $OUT (or ./gpu_out). Usage: bash tools/gpu_check.sh [build|test|sanitize|bench ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+steps=${*:-build test sanitize bench}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
+status=0
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 25 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+for step in $steps; do
+  case $step in
+    build) run build python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
+    test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
+    sanitize)
+      run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
+    bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
+  esac
+done
+exit $status
