@@ -1,5 +1,5 @@
 // CUDA backward of the fused-linear losses, part 2 (host): walks the vocabulary in chunks;
-// for each, the logit_grad kernel writes dLoss/dz for the chunk and cuBLAS accumulates
+// for each, the logit_grad kernel (logit_grad.cu) writes dLoss/dz for the chunk and cuBLAS accumulates
 //   dxs += dz_chunk . ws_chunk          (float32 accumulator, scaled by g per row at the end)
 //   dws_chunk = dz_chunk^T . (g * xs)
 // Extra memory: the chunk ([N x chunk] in the inputs' dtype, at most kChunkBytes), the

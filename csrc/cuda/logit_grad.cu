@@ -1,4 +1,4 @@
-// CUDA backward of the fused-linear losses, part 1: dLoss/dz for one vocabulary chunk.
+// CUDA backward of the fused-linear losses, part 1 (device): dLoss/dz for one vocabulary chunk.
 //
 // Grid: (row tiles of 64, vocabulary tiles of the chunk). Each block recomputes its student
 // and teacher logit tiles on chip, turns them into dLoss/dz with the forward's per-row
