@@ -150,6 +150,7 @@ template <typename T>
 struct DivergenceParams {
   LossKind kind;
   T beta;           // JSD mixture weight M = (1 - beta) p + beta q
+  T one_minus_beta; // 1 - beta, formed in double: beta near 1 would lose it in float
   T log_1m_beta;    // log(1 - beta), JSD only
   T log_beta;       // log(beta), JSD only
 };
@@ -176,7 +177,7 @@ NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p
     case LossKind::kReverseKL:
       return p * ((s - t) - center);
     default:
-      return (T(1) - d.beta) * p * (log_p - log_mixture(d, log_p, log_q) - center);
+      return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q) - center);
   }
 }
 

@@ -148,7 +148,7 @@ def main():
         print(f"  {name}: forward + backward", flush=True)
         try:
             results[name] = run(method, inputs, args)
-        except torch.OutOfMemoryError:
+        except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError):
             print("    out of memory")
             torch.cuda.empty_cache()
 

@@ -24,8 +24,13 @@ def floating(value: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {value.dtype}")
 
 
+def _real(value) -> bool:
+    # torch.compile(dynamic=True) passes Python floats as SymFloats; float() specializes them.
+    return not isinstance(value, bool) and isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt))
+
+
 def positive_number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not _real(value) or not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -35,13 +40,13 @@ def optional_positive_number(value, name: str) -> float | None:
 
 
 def non_negative_number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    if not _real(value) or not math.isfinite(float(value)) or value < 0:
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
     return float(value)
 
 
 def unit_interval(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+    if not _real(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
 
@@ -55,7 +60,7 @@ def reduction(value) -> str:
 def optional_positive_int(value, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)) or value < 1:
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     return int(value)
 

@@ -30,6 +30,15 @@ __all__ = ["forward_kl", "reverse_kl", "jsd"]
 _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
+def _autocast(xs, xt, ws, wt):
+    """Under torch.autocast, compute in its dtype, as the lm_head matmuls it replaces would."""
+    device_type = xs.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return xs, xt, ws, wt
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (xs, xt, ws, wt))
+
+
 def _resolve_vocab_size(ws: Tensor, wt: Tensor, vocab_size) -> int:
     rows_s, rows_t = ws.shape[0], wt.shape[0]
     if vocab_size is None:
@@ -67,12 +76,20 @@ def _fused_linear_loss(
         raise ValueError(f"ws must be [V, D_s] with D_s = xs.shape[-1] = {xs.shape[-1]}, got {tuple(ws.shape)}")
     if wt.shape[1] != xt.shape[-1]:
         raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
-    if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
-        raise TypeError(
-            f"xs, xt, ws and wt must share one dtype, got xs {xs.dtype}, xt {xt.dtype}, ws {ws.dtype}, "
-            f"wt {wt.dtype}; cast the teacher's tensors to the student's dtype"
-        )
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
+    xs, xt, ws, wt = _autocast(xs, xt, ws, wt)
+    if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
+        mismatch = "xs and ws" if ws.dtype != xs.dtype else "xt and wt" if wt.dtype != xt.dtype else "student and teacher"
+        raise TypeError(
+            f"xs, xt, ws and wt must share one dtype ({mismatch} differ): got xs {xs.dtype}, xt {xt.dtype}, "
+            f"ws {ws.dtype}, wt {wt.dtype}. Cast them to one dtype, or call under torch.autocast, which casts "
+            f"all four to its dtype"
+        )
+    # Tensors made under torch.inference_mode (a teacher's forward, typically) cannot be saved
+    # for backward; the teacher's hidden states are small, so copy them into a normal tensor.
+    # (torch.compile cannot ask is_inference(); Dynamo treats such inputs itself.)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        xt, wt = (t.clone() if t.is_inference() else t for t in (xt, wt))
     if xs.device.type not in _KERNEL_DEVICE_TYPES:
         raise RuntimeError(
             f"this build of nitrobrew has no kernels for {xs.device.type} tensors; rebuild it on a machine "

@@ -59,6 +59,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_row_stats):
+    if torch.is_grad_enabled():
+        raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
+                           "(create_graph=True) is not implemented")
     xs, xt, ws, wt, labels, row_stats = ctx.saved_tensors
     need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_dxs or need_dws):

@@ -157,10 +157,10 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
   if (p.kind == LossKind::kJSD) {
     MixturePass<acc_t> mix(p, valid.data(), stats_);
     walk_logit_tiles<acc_t>(xs_acc, xt_acc, ws, wt, p, plan, mix);
-    const acc_t beta = static_cast<acc_t>(p.beta);
+    const DivergenceParams<acc_t> div = divergence_params<acc_t>(p);
     for (int64_t n = 0; n < p.num_rows; ++n) {
       if (!valid[n]) continue;
-      loss_[n] = beta * mix.kl_q_m[n] + (acc_t(1) - beta) * mix.kl_p_m[n];
+      loss_[n] = div.beta * mix.kl_q_m[n] + div.one_minus_beta * mix.kl_p_m[n];
       stats_[n * kNumRowStats + kGradCenter] = mix.kl_p_m[n];
     }
   }
@@ -271,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_fwd_cpu(
   check_cpu(xs, "xs");
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_fwd_cpu", [&] {
-    out = forward_impl<scalar_t>(xs, xt, ws.contiguous(), wt.contiguous(), labels, p);
+    out = forward_impl<scalar_t>(xs, xt, ws, wt, labels, p);
   });
   return out;
 }
@@ -295,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cpu(
   check_cpu(row_stats, "row_stats");
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_bwd_cpu", [&] {
-    out = backward_impl<scalar_t>(grad_loss, xs, xt, ws.contiguous(), wt.contiguous(), labels, row_stats, p,
+    out = backward_impl<scalar_t>(grad_loss, xs, xt, ws, wt, labels, row_stats, p,
                                   compute_dxs, compute_dws);
   });
   return out;

@@ -93,12 +93,12 @@ __global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> 
           if (col >= a.vocab_size) continue;
           const float z_s = zs.v[j][2 * i + e], z_t = zt.v[j][2 * i + e];
           const float w = (weight_by_student ? z_s : z_t) * inv_t, o = (weight_by_student ? z_t : z_s) * inv_t;
-          const float ew = __expf(w - part.w.m);
+          const float ew = exp_(w - part.w.m);
           part.w.l += ew;
           part.a += ew * (w - o);
-          part.o.l += __expf(o - part.o.m);
+          part.o.l += exp_(o - part.o.m);
           if (a.ce_weight != 0.f) {
-            ce_part.l += __expf(z_s - ce_part.m);
+            ce_part.l += exp_(z_s - ce_part.m);
             if (col == rows.label[i]) label_logit[rows.row[i]] = z_s;
           }
         }
@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a,
           const float log_p = log_prob(zs.v[j][2 * i + e] * a.inv_temperature, norm_s[i]);
           const float log_q = log_prob(zt.v[j][2 * i + e] * a.inv_temperature, norm_t[i]);
           const float log_m = log_mixture(a.div, log_p, log_q);
-          kl_q_m[i] += __expf(log_q) * (log_q - log_m);
-          kl_p_m[i] += __expf(log_p) * (log_p - log_m);
+          kl_q_m[i] += exp_(log_q) * (log_q - log_m);
+          kl_p_m[i] += exp_(log_p) * (log_p - log_m);
         }
       }
     }
@@ -227,7 +227,7 @@ __global__ void finish_jsd_kernel(FusedLinearArgs<T> a, int splits, const float*
   }
   float* row = row_stats + n * kNumRowStats;
   row[kGradCenter] = kl_p_m;
-  float value = a.div.beta * kl_q_m + (1.f - a.div.beta) * kl_p_m;
+  float value = a.div.beta * kl_q_m + a.div.one_minus_beta * kl_p_m;
   if (a.ce_weight != 0.f) {
     value -= a.ce_weight * log_prob(label_logit[n], LogNormalizer<float>{row[kMaxCE], row[kLogSumCE]});
   }

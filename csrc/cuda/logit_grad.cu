@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) logit_grad_kernel(FusedLinearArgs<T>
           const float s = z * inv_t, t = zt.v[j][2 * i + e] * inv_t;
           dz = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
           if (a.ce_weight != 0.f) {
-            dz += a.ce_weight * (__expf(log_prob(z, norm_ce)) - (col == rows.label[i] ? 1.f : 0.f));
+            dz += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col == rows.label[i] ? 1.f : 0.f));
           }
           dz *= softcap_grad_from_capped(z, a.softcap_s);
         }
