@@ -101,6 +101,17 @@ NB_HOST_DEVICE T kl_divergence(const KLState<T>& s) {
   return s.a / s.w.l - (s.w.m - s.o.m) - (log_(s.w.l) - log_(s.o.l));
 }
 
+// s = z / tau, rounded once and identically wherever it is formed. With FMA contraction (on
+// by default in nvcc) an expression like z * inv_t - m would skip the rounding of s, so the
+// largest entry's log-probability would pick up s's rounding error (~1e-5 once tau = 0.1).
+template <typename T>
+NB_HOST_DEVICE T scale_logit(T z, T inv_t) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) return __fmul_rn(z, inv_t);
+#endif
+  return z * inv_t;
+}
+
 // Gemma-style soft-capping c * tanh(z / c); cap <= 0 means none.
 template <typename T>
 NB_HOST_DEVICE T softcap(T z, T cap) {

@@ -64,10 +64,10 @@ struct OnlineKLPass {
       max_o = std::max(max_o, zo[v]);
     }
     KLState<acc_t> part;
-    part.w.m = max_w * inv_t;
-    part.o.m = max_o * inv_t;
+    part.w.m = scale_logit(max_w, inv_t);
+    part.o.m = scale_logit(max_o, inv_t);
     const auto sums = lane_sums<acc_t, 3>(cols, [&](int64_t v) {
-      const acc_t w = zw[v] * inv_t, o = zo[v] * inv_t;
+      const acc_t w = scale_logit(zw[v], inv_t), o = scale_logit(zo[v], inv_t);
       const acc_t e = exp_(w - part.w.m);
       return std::array<acc_t, 3>{e, e * (w - o), exp_(o - part.o.m)};
     });
@@ -112,8 +112,8 @@ struct MixturePass {
     const acc_t* row = stats + n * kNumRowStats;
     const LogNormalizer<acc_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
     const auto sums = lane_sums<acc_t, 2>(cols, [&](int64_t v) {
-      const acc_t log_p = log_prob(zs[v] * inv_t, norm_s);
-      const acc_t log_q = log_prob(zt[v] * inv_t, norm_t);
+      const acc_t log_p = log_prob(scale_logit(zs[v], inv_t), norm_s);
+      const acc_t log_q = log_prob(scale_logit(zt[v], inv_t), norm_t);
       const acc_t log_m = log_mixture(div, log_p, log_q);
       return std::array<acc_t, 2>{exp_(log_q) * (log_q - log_m), exp_(log_p) * (log_p - log_m)};
     });
@@ -209,7 +209,7 @@ struct GradientPass {
     const LogNormalizer<acc_t> norm_ce{row[kMaxCE], row[kLogSumCE]};
     for (int64_t v = 0; v < cols; ++v) {
       const acc_t z = zs[v];
-      const acc_t s = z * inv_t, t = zt[v] * inv_t;
+      const acc_t s = scale_logit(z, inv_t), t = scale_logit(zt[v], inv_t);
       acc_t dz = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), row[kGradCenter]) * inv_t;
       if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(log_prob(z, norm_ce)) - acc_t(v == y ? 1 : 0));
       zs[v] = grad[n] * dz * softcap_grad_from_capped(z, cap_s);

@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> 
         }
       }
       if (max_zs == -INFINITY) continue;  // no vocabulary entry of this tile in this thread's columns
-      part.w.m = (weight_by_student ? max_zs : max_zt) * inv_t;
-      part.o.m = (weight_by_student ? max_zt : max_zs) * inv_t;
+      part.w.m = scale_logit(weight_by_student ? max_zs : max_zt, inv_t);
+      part.o.m = scale_logit(weight_by_student ? max_zt : max_zs, inv_t);
       ce_part.m = max_zs;
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> 
           const int64_t col = v0 + fragment_col(j, e);
           if (col >= a.vocab_size) continue;
           const float z_s = zs.v[j][2 * i + e], z_t = zt.v[j][2 * i + e];
-          const float w = (weight_by_student ? z_s : z_t) * inv_t, o = (weight_by_student ? z_t : z_s) * inv_t;
+          const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
+          const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
           const float ew = exp_(w - part.w.m);
           part.w.l += ew;
           part.a += ew * (w - o);
@@ -190,8 +191,8 @@ __global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a,
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
-          const float log_p = log_prob(zs.v[j][2 * i + e] * a.inv_temperature, norm_s[i]);
-          const float log_q = log_prob(zt.v[j][2 * i + e] * a.inv_temperature, norm_t[i]);
+          const float log_p = log_prob(scale_logit(zs.v[j][2 * i + e], a.inv_temperature), norm_s[i]);
+          const float log_q = log_prob(scale_logit(zt.v[j][2 * i + e], a.inv_temperature), norm_t[i]);
           const float log_m = log_mixture(a.div, log_p, log_q);
           kl_q_m[i] += exp_(log_q) * (log_q - log_m);
           kl_p_m[i] += exp_(log_p) * (log_p - log_m);

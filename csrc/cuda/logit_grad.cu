@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads) logit_grad_kernel(FusedLinearArgs<T>
         float dz = 0.f;
         if (rows.valid[i] && col < a.vocab_size) {
           const float z = zs.v[j][2 * i + e];
-          const float s = z * inv_t, t = zt.v[j][2 * i + e] * inv_t;
+          const float s = scale_logit(z, inv_t), t = scale_logit(zt.v[j][2 * i + e], inv_t);
           dz = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
           if (a.ce_weight != 0.f) {
             dz += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col == rows.label[i] ? 1.f : 0.f));

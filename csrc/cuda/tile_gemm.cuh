@@ -145,19 +145,28 @@ __device__ __forceinline__ void warp_mma_slab(Acc& acc, const T (*x)[SmemTile<T>
       }
     }
   } else {
-    // float32 inputs: CUDA-core FMAs in the same register layout (the slow, exact path).
+    // float32 inputs: CUDA-core FMAs in the same register layout (the slow path). Each slab
+    // is summed in float64 and rounded once, so the logits are as accurate as a blocked
+    // float32 BLAS (a plain sequential float32 sum over K loses ~sqrt(K) roundings, which
+    // the temperature then amplifies).
     const int r0 = warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+    double slab[kNTiles][4] = {};
 #pragma unroll 4
     for (int kk = 0; kk < kTileK; ++kk) {
-      const float x0 = x[r0][kk], x1 = x[r0 + 8][kk];
+      const double x0 = x[r0][kk], x1 = x[r0 + 8][kk];
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
-        const float w0 = w[8 * j + c0][kk], w1 = w[8 * j + c0 + 1][kk];
-        acc.v[j][0] = fmaf(x0, w0, acc.v[j][0]);
-        acc.v[j][1] = fmaf(x0, w1, acc.v[j][1]);
-        acc.v[j][2] = fmaf(x1, w0, acc.v[j][2]);
-        acc.v[j][3] = fmaf(x1, w1, acc.v[j][3]);
+        const double w0 = w[8 * j + c0][kk], w1 = w[8 * j + c0 + 1][kk];
+        slab[j][0] = fma(x0, w0, slab[j][0]);
+        slab[j][1] = fma(x0, w1, slab[j][1]);
+        slab[j][2] = fma(x1, w0, slab[j][2]);
+        slab[j][3] = fma(x1, w1, slab[j][3]);
       }
+    }
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc.v[j][e] += static_cast<float>(slab[j][e]);
     }
   }
 }
