@@ -88,6 +88,72 @@ def _cublas_gemms(xs, xt, ws, wt, *, loss, reduction):
     return per_row if reduction == "none" else per_row.mean()
 
 
+@torch.compile(dynamic=False)
+def _fold_chunk(zs, zt, m_s, l_s, m_t, l_t, a):
+    # Online forward-KL state over one vocabulary chunk: a = sum exp(t - m_t) (t - s).
+    zs, zt = zs.float(), zt.float()
+    new_m_s = torch.maximum(m_s, zs.amax(-1))
+    new_m_t = torch.maximum(m_t, zt.amax(-1))
+    e_t = torch.exp(zt - new_m_t[:, None])
+    scale_t = torch.exp(m_t - new_m_t)
+    l_s = l_s * torch.exp(m_s - new_m_s) + torch.exp(zs - new_m_s[:, None]).sum(-1)
+    a = a * scale_t + (e_t * (zt - zs)).sum(-1)
+    l_t = l_t * scale_t + e_t.sum(-1)
+    return new_m_s, l_s, new_m_t, l_t, a
+
+
+@torch.compile(dynamic=False)
+def _grad_chunk(zs, zt, lse_s, lse_t, g):
+    return (g[:, None] * (torch.exp(zs.float() - lse_s[:, None]) - torch.exp(zt.float() - lse_t[:, None]))).to(zs.dtype)
+
+
+class _ChunkedForwardKL(torch.autograd.Function):
+    """The usual fused-loss recipe in plain PyTorch: vocabulary chunks of bf16 logits, an online
+    softmax compiled with torch.compile, and a backward that recomputes each chunk."""
+
+    chunk = 8192
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt):
+        n = xs.shape[0]
+        m_s = torch.full((n,), -float("inf"), device=xs.device)
+        m_t, l_s, l_t, a = m_s.clone(), torch.zeros_like(m_s), torch.zeros_like(m_s), torch.zeros_like(m_s)
+        for c0 in range(0, ws.shape[0], _ChunkedForwardKL.chunk):
+            zs, zt = xs @ ws[c0:c0 + _ChunkedForwardKL.chunk].T, xt @ wt[c0:c0 + _ChunkedForwardKL.chunk].T
+            m_s, l_s, m_t, l_t, a = _fold_chunk(zs, zt, m_s, l_s, m_t, l_t, a)
+        lse_s, lse_t = m_s + l_s.log(), m_t + l_t.log()
+        ctx.save_for_backward(xs, xt, ws, wt, lse_s, lse_t)
+        return a / l_t - lse_t + lse_s
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs, xt, ws, wt, lse_s, lse_t = ctx.saved_tensors
+        dxs, dws = torch.zeros_like(xs, dtype=torch.float32), torch.empty_like(ws)
+        for c0 in range(0, ws.shape[0], _ChunkedForwardKL.chunk):
+            w_s = ws[c0:c0 + _ChunkedForwardKL.chunk]
+            g = _grad_chunk(xs @ w_s.T, xt @ wt[c0:c0 + _ChunkedForwardKL.chunk].T, lse_s, lse_t, grad.float())
+            dxs += (g @ w_s).float()
+            dws[c0:c0 + _ChunkedForwardKL.chunk] = g.T @ xs
+        return dxs.to(xs.dtype), None, dws, None
+
+
+@method("chunked_compile")
+def _chunked_compile(xs, xt, ws, wt, *, loss, reduction):
+    if loss != "forward_kl":
+        raise NotImplementedError("the chunked torch.compile baseline implements forward KL only")
+    per_row = _ChunkedForwardKL.apply(xs, xt, ws, wt)
+    return per_row if reduction == "none" else per_row.mean()
+
+
+@method("liger")
+def _liger(xs, xt, ws, wt, *, loss, reduction):
+    # liger-kernel's fused linear JSD (its beta 0 / 1 are forward / reverse KL); it returns the mean only.
+    from liger_kernel.transformers import LigerFusedLinearJSD
+
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": BETAS["jsd"]}[loss]
+    return LigerFusedLinearJSD(jsd_beta=beta)(xs, ws, xt, wt, None)
+
+
 def make_inputs(shape, dtype, device, requires_grad):
     n, v, ds, dt = shape
     gen = torch.Generator(device=device).manual_seed(0)
