@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from nitrobrew import fused_linear
+from nitrobrew import _checks, fused_linear
 
 _LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": None}
 
@@ -15,7 +15,7 @@ class DistillationLoss(nn.Module):
     loss = DistillationLoss("jsd", beta=0.5, temperature=2.0)(xs, xt, ws, wt, labels)
 
     `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd"; the keyword
-    options are those of nitrobrew.forward_kl / reverse_kl / jsd.
+    options are those of nitrobrew.forward_kl / reverse_kl / jsd (`beta` is used by "jsd" only).
     """
 
     def __init__(
@@ -36,7 +36,15 @@ class DistillationLoss(nn.Module):
         if loss not in _LOSSES:
             raise ValueError(f"loss must be one of {', '.join(map(repr, _LOSSES))}, got {loss!r}")
         self.loss = loss
-        self.beta = beta if _LOSSES[loss] is None else _LOSSES[loss]
+        self.beta = _checks.unit_interval(beta, "beta") if _LOSSES[loss] is None else _LOSSES[loss]
+        # Fail at construction, not at the first training step.
+        _checks.positive_number(temperature, "temperature")
+        _checks.reduction(reduction)
+        _checks.non_negative_number(ce_weight, "ce_weight")
+        _checks.optional_positive_number(softcap_s, "softcap_s")
+        _checks.optional_positive_number(softcap_t, "softcap_t")
+        _checks.optional_positive_int(vocab_size, "vocab_size")
+        _checks.optional_positive_int(chunk_V, "chunk_V")
         self.options = dict(
             temperature=temperature, reduction=reduction, ignore_index=ignore_index, ce_weight=ce_weight,
             softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
 from helpers import make_problem, nitrobrew_loss
 
 OPTIONS = [  # (beta, ce_weight, softcaps, vocab_size)
@@ -84,6 +85,10 @@ def test_module(device, loss_name, beta):
     assert loss_name in repr(module)
     with pytest.raises(ValueError, match="loss must be one of"):
         nitrobrew.DistillationLoss("kl")
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        nitrobrew.DistillationLoss("jsd", temperature=0.0)
+    with pytest.raises(ValueError, match="beta must be a number in"):
+        nitrobrew.DistillationLoss("jsd", beta=2.0)
 
 
 def test_no_buffer_of_tokens_times_vocab_is_allocated():
@@ -101,3 +106,30 @@ def test_no_buffer_of_tokens_times_vocab_is_allocated():
     largest = max(allocations)
     assert largest < n * v * 4 / 8, f"an allocation of {largest} bytes is O(N x V)"
     assert largest >= ws.numel() * 4, "dws itself ([V, D_s]) should be among the allocations seen"
+
+
+@CUDA
+def test_cuda_graph_capture_of_forward_and_backward():
+    # No host synchronization inside the ops: a whole step can be captured and replayed.
+    xs, xt, ws, wt, labels = make_problem(device="cuda", dtype=torch.bfloat16, masked=True)
+    xs.requires_grad_()
+    ws.requires_grad_()
+
+    def step():
+        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, beta=0.5, ce_weight=0.1)
+        return (loss,) + torch.autograd.grad(loss, (xs, ws))
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        torch.testing.assert_close(a, b)
