@@ -161,9 +161,12 @@ def main():
         (_, fused_loss, fused_dxs, fused_dws, _), (_, naive_loss, naive_dxs, naive_dws, _) = results.values()
         diffs = {"loss": relative_difference(fused_loss, naive_loss), "dxs": relative_difference(fused_dxs, naive_dxs),
                  "dws": relative_difference(fused_dws, naive_dws)}
-        ok = all(d < 1e-3 for d in diffs.values())
+        # Gradients come back in the inputs' dtype (and on CUDA from dLoss/dz rounded to it), so
+        # the two agree to a few units of that dtype's rounding, not to float32's.
+        tolerance = max(1e-4, 2 * torch.finfo(inputs[0].dtype).eps)
+        ok = all(d < tolerance for d in diffs.values())
         print("relative difference fused vs naive: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
-              + (" -> match" if ok else " -> MISMATCH"))
+              + (f" -> match (tolerance {tolerance:.0e})" if ok else f" -> MISMATCH (tolerance {tolerance:.0e})"))
         if not ok:
             raise SystemExit(1)
 

@@ -119,8 +119,7 @@ def test_cuda_graph_capture_of_forward_and_backward():
         loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, beta=0.5, ce_weight=0.1)
         return (loss,) + torch.autograd.grad(loss, (xs, ws))
 
-    eager = step()
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph requires
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
@@ -131,5 +130,6 @@ def test_cuda_graph_capture_of_forward_and_backward():
         captured = step()
     graph.replay()
     torch.cuda.synchronize()
+    eager = step()
     for a, b in zip(captured, eager):
         torch.testing.assert_close(a, b)
