@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include "online_state.h"
+#include "row_stats.h"
 
 namespace nitrobrew {
 
@@ -23,22 +24,6 @@ struct FusedLinearParams {
   int64_t vocab_size;  // V: real vocabulary rows of ws and wt; padded rows past it are ignored
   int64_t chunk_v;     // vocabulary tile width requested by the caller (0 = automatic)
   bool has_labels;
-};
-
-// Columns of the forward's per-row statistics, a [N, kNumRowStats] tensor that the
-// backward reads: the log-normalizers of the student, the teacher and the cross-entropy
-// add-on (temperature 1) as (max, log-sum), and the gradient's centre (divergence_grad in
-// online_state.h): E_p[s - t] for reverse KL, KL(p||M) for JSD. Rows whose label is
-// ignore_index hold zeros.
-enum RowStat : int {
-  kMaxS = 0,
-  kLogSumS,
-  kMaxT,
-  kLogSumT,
-  kGradCenter,
-  kMaxCE,
-  kLogSumCE,
-  kNumRowStats
 };
 
 // Checks shapes, dtypes and devices of the op's inputs (raising with the argument's

@@ -145,14 +145,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
   const bool weight_by_student = p.kind == LossKind::kReverseKL;
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
-    const KLRowResult<acc_t> r = finish_kl_row(kl_pass.kl[n], weight_by_student);
-    acc_t* row = stats_ + n * kNumRowStats;
-    row[kMaxS] = r.norm_s.max;
-    row[kLogSumS] = r.norm_s.log_sum;
-    row[kMaxT] = r.norm_t.max;
-    row[kLogSumT] = r.norm_t.log_sum;
-    row[kGradCenter] = r.grad_center;
-    loss_[n] = r.kl;
+    loss_[n] = store_kl_row(finish_kl_row(kl_pass.kl[n], weight_by_student), stats_ + n * kNumRowStats);
   }
   if (p.kind == LossKind::kJSD) {
     MixturePass<acc_t> mix(p, valid.data(), stats_);

@@ -39,32 +39,33 @@ __device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxSta
   }
 }
 
-// Vocabulary tiles [begin, end) of this block's split.
-struct SplitRange {
-  int64_t begin, end;
-  __device__ SplitRange(int64_t vocab_size, int64_t tiles_per_split) {
-    const int64_t tiles = (vocab_size + kTileCols - 1) / kTileCols;
-    begin = blockIdx.y * tiles_per_split;
-    end = min(begin + tiles_per_split, tiles);
+// Computes the logit tiles of every vocabulary tile of this block's split (blockIdx.y) and
+// hands each to fold(v0, zs, zt): the loop both forward passes share.
+template <typename T, bool kVec, typename Fold>
+__device__ __forceinline__ void for_each_vocab_tile(const FusedLinearArgs<T>& a, int64_t row0,
+                                                    int64_t tiles_per_split, Fold&& fold) {
+  __shared__ SmemTile<T> smem;
+  const int64_t tiles = (a.vocab_size + kTileCols - 1) / kTileCols;
+  const int64_t end = min((int64_t(blockIdx.y) + 1) * tiles_per_split, tiles);
+  Acc zs, zt;
+  for (int64_t tile = int64_t(blockIdx.y) * tiles_per_split; tile < end; ++tile) {
+    const int64_t v0 = tile * kTileCols;
+    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
+    fold(v0, zs, zt);
   }
-};
+}
 
 // Pass 1: one-pass KL state (and the cross-entropy add-on's) per row and split.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> a, int64_t tiles_per_split,
                                                              float* __restrict__ partial, float* __restrict__ label_logit) {
-  __shared__ SmemTile<T> smem;
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
   const FragmentRows rows(a, row0);
-  const SplitRange split(a.vocab_size, tiles_per_split);
   const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
   const float inv_t = a.inv_temperature;
   KLState<float> st[2];
   SoftmaxState<float> ce[2];
-  Acc zs, zt;
-  for (int64_t tile = split.begin; tile < split.end; ++tile) {
-    const int64_t v0 = tile * kTileCols;
-    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
+  for_each_vocab_tile<T, kVec>(a, row0, tiles_per_split, [&](int64_t v0, const Acc& zs, const Acc& zt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!rows.valid[i]) continue;
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> 
       merge(st[i], part);
       merge(ce[i], ce_part);
     }
-  }
+  });
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     merge_across_quad(st[i], ce[i]);  // all lanes take part: the shuffles need the full warp
@@ -143,14 +144,8 @@ __global__ void merge_kl_kernel(FusedLinearArgs<T> a, int splits, const float* _
     merge(st, part);
     merge(ce, SoftmaxState<float>{in[5], in[6]});
   }
-  const KLRowResult<float> r = finish_kl_row(st, a.div.kind == LossKind::kReverseKL);
   float* row = row_stats + n * kNumRowStats;
-  row[kMaxS] = r.norm_s.max;
-  row[kLogSumS] = r.norm_s.log_sum;
-  row[kMaxT] = r.norm_t.max;
-  row[kLogSumT] = r.norm_t.log_sum;
-  row[kGradCenter] = r.grad_center;
-  float value = r.kl;
+  float value = store_kl_row(finish_kl_row(st, a.div.kind == LossKind::kReverseKL), row);
   if (a.ce_weight != 0.f) {
     const int64_t y = a.labels[n];
     CUDA_KERNEL_ASSERT(y >= 0 && y < a.vocab_size && "labels must be in [0, vocab_size) when ce_weight > 0");
@@ -167,10 +162,8 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a, int64_t tiles_per_split,
                                                            const float* __restrict__ row_stats,
                                                            float* __restrict__ partial) {
-  __shared__ SmemTile<T> smem;
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
   const FragmentRows rows(a, row0);
-  const SplitRange split(a.vocab_size, tiles_per_split);
   LogNormalizer<float> norm_s[2], norm_t[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -179,10 +172,7 @@ __global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a,
     norm_t[i] = {row[kMaxT], row[kLogSumT]};
   }
   float kl_q_m[2] = {0.f, 0.f}, kl_p_m[2] = {0.f, 0.f};
-  Acc zs, zt;
-  for (int64_t tile = split.begin; tile < split.end; ++tile) {
-    const int64_t v0 = tile * kTileCols;
-    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
+  for_each_vocab_tile<T, kVec>(a, row0, tiles_per_split, [&](int64_t v0, const Acc& zs, const Acc& zt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!rows.valid[i]) continue;
@@ -199,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a,
         }
       }
     }
-  }
+  });
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     for (int mask = 1; mask <= 2; mask <<= 1) {
