@@ -75,6 +75,20 @@ def main():
         }
         row["ratio"] = row["nitrobrew"] / max(row["pytorch_fp32_rounded"], 1e-30)
         rows.append(row)
+    if dtype != torch.float32:
+        # The loss from the logits of cuBLAS's bf16 tensor-core GEMM (fp32 output), reduced in
+        # float64: how much of the loss error tensor-core accumulation alone explains.
+        try:
+            zs = torch.mm(xs, ws.T, out_dtype=torch.float32)
+            zt = torch.mm(xt, wt.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError) as error:
+            print(f"(no bf16 GEMM with float32 output in this torch: {error})")
+        else:
+            divergence = reference.divergence_from_logits(zs.double() / args.temperature,
+                                                          zt.double() / args.temperature, beta)
+            err = relative_error(divergence.mean(), oracle[0])
+            rows.append({"quantity": "loss_cublas_bf16_logits", "nitrobrew": float("nan"), "pytorch_fp32": err,
+                         "pytorch_fp32_rounded": err, "ratio": float("nan")})
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 loss=args.loss, dtype=args.dtype, N=args.tokens, V=v, Ds=d_s, Dt=d_t, temperature=args.temperature)
     print(", ".join(f"{k} {v}" for k, v in meta.items()))

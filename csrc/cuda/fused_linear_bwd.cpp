@@ -69,7 +69,10 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cuda(
   at::Tensor dxs_acc, xs_scaled, dws;
   if (compute_dxs) dxs_acc = at::zeros({p.num_rows, p.hidden_s}, xs.options().dtype(at::kFloat));
   if (compute_dws) {
-    xs_scaled = (xs.to(at::kFloat) * g).to(dtype).contiguous();   // g * xs, [N, D_s]
+    // g * xs, [N, D_s]: computed in float32 per element and written in the inputs' dtype,
+    // with no float32 temporary of the whole matrix.
+    xs_scaled = at::empty({p.num_rows, p.hidden_s}, xs.options());
+    at::mul_out(xs_scaled, xs, g);
     dws = at::zeros_like(ws_in, at::MemoryFormat::Contiguous);      // padded rows past vocab_size stay 0
   }
   const int64_t n = p.num_rows, elem = xs.element_size();
@@ -89,7 +92,11 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cuda(
            static_cast<char*>(dws.data_ptr()) + c0 * dws.stride(0) * elem, dtype, dws.stride(0));
     }
   }
-  at::Tensor dxs = compute_dxs ? (dxs_acc * g).to(dtype) : at::empty({0}, xs.options());
+  at::Tensor dxs = at::empty({0}, xs.options());
+  if (compute_dxs) {
+    dxs = at::empty({p.num_rows, p.hidden_s}, xs.options());
+    at::mul_out(dxs, dxs_acc, g);  // float32 in, the inputs' dtype out
+  }
   if (!compute_dws) dws = at::empty({0}, ws.options());
   return {dxs, dws};
 }
