@@ -38,6 +38,6 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for src in "${sources[@]}"; do
   echo "compile_cuda: $src"
-  "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}"
+  "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}" ${NVCC_EXTRA:-}
 done
 echo "compile_cuda: ${#sources[@]} CUDA source(s) compiled"

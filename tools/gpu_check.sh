@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, GPU tests, compute-sanitizer, benchmarks. Results and logs
-# go to $OUT (or ./gpu_out). Usage: bash tools/gpu_check.sh [build|test|sanitize|bench ...]
+# go to $OUT (or ./gpu_out). Usage: bash tools/gpu_check.sh [build|test|test_sm80|sanitize|bench ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-steps=${*:-build test sanitize bench}
+steps=${*:-build test test_sm80 sanitize bench}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
@@ -24,9 +24,13 @@ for step in $steps; do
   case $step in
     build) run build python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
     test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
+    # The sm_80 (mma.sync) kernels, forced on this GPU (test_cuda_kernels.py covers both itself).
+    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q -x -k "cuda and not test_cuda_kernels" -p no:cacheprovider ;;
     sanitize)
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
-      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
+      run memcheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
+      run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
   esac
 done

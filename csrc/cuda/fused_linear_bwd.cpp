@@ -1,5 +1,6 @@
-// CUDA backward of the fused-linear losses, part 2 (host): walks the vocabulary in chunks;
-// for each, the logit_grad kernel (logit_grad.cu) writes dLoss/dz for the chunk and cuBLAS accumulates
+// CUDA backward of the fused-linear losses (host): walks the vocabulary in chunks; for each,
+// the gradient pass (GradPass, logit_passes.cu) recomputes the logit tiles on chip and writes
+// dLoss/dz for the chunk, and cuBLAS accumulates
 //   dxs += dz_chunk . ws_chunk          (float32 accumulator, scaled by g per row at the end)
 //   dws_chunk = dz_chunk^T . (g * xs)
 // Extra memory: the chunk ([N x chunk] in the inputs' dtype, at most kChunkBytes), the
@@ -18,7 +19,6 @@ namespace cuda {
 namespace {
 
 constexpr int64_t kChunkBytes = int64_t(192) << 20;
-constexpr int64_t kChunkAlign = 64;  // a whole number of the kernel's vocabulary tiles
 
 cudaDataType_t cublas_type(at::ScalarType t) {
   switch (t) {
@@ -76,12 +76,13 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_bwd_cuda(
     dws = at::zeros_like(ws_in, at::MemoryFormat::Contiguous);      // padded rows past vocab_size stay 0
   }
   const int64_t n = p.num_rows, elem = xs.element_size();
-  int64_t chunk = std::max<int64_t>(kChunkAlign, kChunkBytes / std::max<int64_t>(n * elem, 1) / kChunkAlign * kChunkAlign);
-  chunk = std::min(chunk, (p.vocab_size + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
+  int64_t chunk = std::max<int64_t>(kGradChunkAlign, kChunkBytes / std::max<int64_t>(n * elem, 1) / kGradChunkAlign * kGradChunkAlign);
+  chunk = std::min(chunk, (p.vocab_size + kGradChunkAlign - 1) / kGradChunkAlign * kGradChunkAlign);
   at::Tensor dz = at::empty({n, chunk}, xs.options());
+  const LogitTilePasses passes(xs, xt, ws, wt, labels, p);
   for (int64_t c0 = 0; n > 0 && (compute_dxs || compute_dws) && c0 < p.vocab_size; c0 += chunk) {
     const int64_t cols = std::min(chunk, p.vocab_size - c0);
-    launch_logit_grad(xs, xt, ws, wt, labels, p, row_stats, c0, cols, dz);
+    passes.grad_pass(row_stats, c0, cols, dz);
     if (compute_dxs) {  // dxs_acc^T [D_s x N] += ws_chunk^T [D_s x cols] . dz^T [cols x N]
       const void* ws_chunk = static_cast<const char*>(ws.data_ptr()) + c0 * ws.stride(0) * elem;
       gemm(false, p.hidden_s, n, cols, ws_chunk, dtype, ws.stride(0), dz.data_ptr(), chunk, 1.f,

@@ -65,18 +65,20 @@ template <typename scalar_t>
 using cuda_type_t = std::conditional_t<std::is_same_v<scalar_t, at::BFloat16>, __nv_bfloat16,
                                        std::conditional_t<std::is_same_v<scalar_t, at::Half>, __half, scalar_t>>;
 
-// The two rows of the tile a thread's accumulator fragment covers (see tile_gemm.cuh).
+// The two rows of a logit tile that a thread's accumulator fragment covers (see
+// tile_gemm.cuh): rows first + lane/4 and first + lane/4 + 8, where `first` is the warp's
+// first row. Rows past the batch or whose label is ignore_index are not valid.
 struct FragmentRows {
   int64_t row[2];
   bool valid[2];
   int64_t label[2];
 
   template <typename T>
-  __device__ __forceinline__ FragmentRows(const FusedLinearArgs<T>& a, int64_t row0) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __device__ __forceinline__ FragmentRows(const FusedLinearArgs<T>& a, int64_t first) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      row[i] = row0 + warp * 16 + lane / 4 + 8 * i;
+      row[i] = first + lane / 4 + 8 * i;
       label[i] = -1;
       valid[i] = row[i] < a.n_rows;
       if (valid[i] && a.labels != nullptr) {
@@ -84,6 +86,16 @@ struct FragmentRows {
         valid[i] = label[i] != a.ignore_index;
       }
     }
+  }
+};
+
+// Which vocabulary tiles the blocks of a launch walk: tiles [first_tile, end_tile), cut into
+// splits of tiles_per_split consecutive tiles, one split per block (and row tile).
+struct VocabSchedule {
+  int64_t first_tile, end_tile, tiles_per_split;
+  __device__ __forceinline__ int64_t begin(int64_t split) const { return first_tile + split * tiles_per_split; }
+  __device__ __forceinline__ int64_t end(int64_t split) const {
+    return min(begin(split) + tiles_per_split, end_tile);
   }
 };
 
@@ -102,20 +114,44 @@ __device__ __forceinline__ Operand<T> rows_of(const T* base, int64_t ld, int64_t
   return Operand<T>{base + first * ld, ld, total - first};
 }
 
+template <int kN>
+__device__ __forceinline__ void apply_softcaps(TileAcc<kN>& zs, TileAcc<kN>& zt, float cap_s, float cap_t) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      zs.v[j][e] = softcap(zs.v[j][e], cap_s);
+      zt.v[j][e] = softcap(zt.v[j][e], cap_t);
+    }
+  }
+}
+
 // Computes the student and teacher logit tiles at vocabulary offset v0, soft-capped.
 template <typename T, bool kVec>
 __device__ __forceinline__ void logit_tiles(Acc& zs, Acc& zt, SmemTile<T>& smem, const FusedLinearArgs<T>& a,
                                             int64_t row0, int64_t v0) {
   tile_gemm<T, kVec>(zs, smem, rows_of(a.xs, a.ld_xs, row0, a.n_rows), rows_of(a.ws, a.ld_ws, v0, a.vocab_size), a.d_s);
   tile_gemm<T, kVec>(zt, smem, rows_of(a.xt, a.ld_xt, row0, a.n_rows), rows_of(a.wt, a.ld_wt, v0, a.vocab_size), a.d_t);
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      zs.v[j][e] = softcap(zs.v[j][e], a.softcap_s);
-      zt.v[j][e] = softcap(zt.v[j][e], a.softcap_t);
-    }
+  apply_softcaps(zs, zt, a.softcap_s, a.softcap_t);
+}
+
+// The sm_80 path (mma.sync; runs on sm_90 too). Grid: (row tiles of 64, splits). Each block
+// walks the vocabulary tiles of its split and hands each pair of logit tiles to the pass
+// (fused_linear_passes.cuh), which folds it into per-row state or turns it into dLoss/dz.
+template <typename T, bool kVec, typename Pass>
+__global__ void __launch_bounds__(kThreads)
+    mma_logit_kernel(FusedLinearArgs<T> a, VocabSchedule sched, typename Pass::Params params) {
+  __shared__ SmemTile<T> smem;
+  const int64_t row0 = int64_t(blockIdx.x) * kTileRows, split = blockIdx.y;
+  const FragmentRows rows(a, row0 + (threadIdx.x / 32) * 16);
+  Pass pass(a, rows, params);
+  Acc zs, zt;
+  for (int64_t tile = sched.begin(split); tile < sched.end(split); ++tile) {
+    const int64_t v0 = tile * kTileCols;
+    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
+    pass.tile(a, rows, v0, zs, zt);
   }
+  pass.finish(a, rows, split);
 }
 
 }  // namespace cuda

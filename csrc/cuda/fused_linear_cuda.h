@@ -1,4 +1,4 @@
-// Host entry points of the CUDA kernels that other translation units call.
+// Host interface of the CUDA logit-tile kernels, shared by the forward and backward ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,12 +9,45 @@
 namespace nitrobrew {
 namespace cuda {
 
-// Writes dLoss/dz (without the per-row upstream gradient) for vocabulary entries
-// [chunk_begin, chunk_begin + grad_chunk.size(1)) into grad_chunk ([N, >= cols], row-major,
-// the inputs' dtype), recomputing the logit tiles; masked rows and padded entries get 0.
-void launch_logit_grad(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
-                       const c10::optional<at::Tensor>& labels, const FusedLinearParams& p,
-                       const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk);
+// The two kernel families: mma.sync (sm_80 and later, and the only one for float32 inputs or
+// rows that TMA cannot address) and TMA-fed wgmma (sm_90a). NITROBREW_FORCE_SM80=1 in the
+// environment selects mma.sync everywhere, so the sm_80 kernels can be tested on Hopper.
+enum class KernelPath { kMmaSync, kWgmma };
+
+// Runs the passes of the fused-linear losses (fused_linear_passes.cuh) over the vocabulary
+// with the fastest kernel family that serves these inputs on the current device. The
+// operands must have unit-stride rows (unit_stride_rows).
+class LogitTilePasses {
+ public:
+  LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+                  const c10::optional<at::Tensor>& labels, const FusedLinearParams& p);
+
+  KernelPath path() const { return path_; }
+  // How many vocabulary splits the forward passes use: the rows of their partial results.
+  int64_t forward_splits() const { return forward_splits_; }
+
+  // Forward pass 1: writes partial [forward_splits, N, 8] and the label logits [N].
+  void kl_pass(at::Tensor& partial, at::Tensor& label_logit) const;
+  // Forward pass 2 of JSD: writes partial [forward_splits, N, 2] from pass 1's row_stats.
+  void mixture_pass(const at::Tensor& row_stats, at::Tensor& partial) const;
+  // Backward: dLoss/dz (without the per-row upstream gradient) for vocabulary entries
+  // [chunk_begin, chunk_begin + chunk_cols) into grad_chunk ([N, >= chunk_cols], row-major,
+  // the inputs' dtype); masked rows and padded entries get 0. chunk_begin must be a multiple
+  // of kGradChunkAlign.
+  void grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk) const;
+
+ private:
+  at::Tensor xs_, xt_, ws_, wt_;
+  c10::optional<at::Tensor> labels_;
+  FusedLinearParams p_;
+  KernelPath path_;
+  bool vectorized_;  // mma.sync path: 16-byte cp.async loads
+  int64_t tile_cols_, forward_tiles_per_split_, forward_splits_;
+};
+
+// Vocabulary chunks of the backward start at multiples of this (a whole number of tiles of
+// either kernel family).
+constexpr int64_t kGradChunkAlign = 128;
 
 // Rows must be unit-stride for the tile loads; anything else is copied once (O(rows x D)).
 inline at::Tensor unit_stride_rows(const at::Tensor& t) {

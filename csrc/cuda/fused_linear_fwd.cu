@@ -1,129 +1,21 @@
-// CUDA forward of the fused-linear distillation losses.
+// CUDA forward of the fused-linear losses.
 //
-// Grid: (row tiles of 64, vocabulary splits). Each block walks the vocabulary tiles of its
-// split, computes the student and teacher logit tiles with tile_gemm (registers only) and
-// folds them into per-thread online states; the four lanes that share a row merge theirs,
-// and a small kernel merges the splits per row. JSD runs a second pass with the merged
-// log-normalizers. Blocks of one split run together (row tile is the fastest grid index),
-// so they stream the same unembedding tiles through L2.
+// Pass 1 (KLPass, on either kernel family: logit_passes.cu) folds every logit tile into
+// per-row online states, one per vocabulary split; merge_kl_kernel merges the splits per row
+// into the loss and the row statistics. JSD runs a second pass (MixturePass) with the merged
+// log-normalizers, and finish_jsd_kernel sums its splits.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-#include "fused_linear_common.cuh"
+#include "fused_linear_passes.cuh"
 
 namespace nitrobrew {
 namespace cuda {
 namespace {
-
-constexpr int kPartialFields = 8;  // w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused
-
-__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
-
-__device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxState<float>& ce) {
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) {
-    KLState<float> other;
-    other.w.m = shfl_xor(st.w.m, mask);
-    other.w.l = shfl_xor(st.w.l, mask);
-    other.o.m = shfl_xor(st.o.m, mask);
-    other.o.l = shfl_xor(st.o.l, mask);
-    other.a = shfl_xor(st.a, mask);
-    SoftmaxState<float> other_ce;
-    other_ce.m = shfl_xor(ce.m, mask);
-    other_ce.l = shfl_xor(ce.l, mask);
-    merge(st, other);
-    merge(ce, other_ce);
-  }
-}
-
-// Computes the logit tiles of every vocabulary tile of this block's split (blockIdx.y) and
-// hands each to fold(v0, zs, zt): the loop both forward passes share.
-template <typename T, bool kVec, typename Fold>
-__device__ __forceinline__ void for_each_vocab_tile(const FusedLinearArgs<T>& a, int64_t row0,
-                                                    int64_t tiles_per_split, Fold&& fold) {
-  __shared__ SmemTile<T> smem;
-  const int64_t tiles = (a.vocab_size + kTileCols - 1) / kTileCols;
-  const int64_t end = min((int64_t(blockIdx.y) + 1) * tiles_per_split, tiles);
-  Acc zs, zt;
-  for (int64_t tile = int64_t(blockIdx.y) * tiles_per_split; tile < end; ++tile) {
-    const int64_t v0 = tile * kTileCols;
-    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
-    fold(v0, zs, zt);
-  }
-}
-
-// Pass 1: one-pass KL state (and the cross-entropy add-on's) per row and split.
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads) online_kl_kernel(FusedLinearArgs<T> a, int64_t tiles_per_split,
-                                                             float* __restrict__ partial, float* __restrict__ label_logit) {
-  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
-  const FragmentRows rows(a, row0);
-  const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
-  const float inv_t = a.inv_temperature;
-  KLState<float> st[2];
-  SoftmaxState<float> ce[2];
-  for_each_vocab_tile<T, kVec>(a, row0, tiles_per_split, [&](int64_t v0, const Acc& zs, const Acc& zt) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (!rows.valid[i]) continue;
-      KLState<float> part;
-      SoftmaxState<float> ce_part;
-      float max_zs = -INFINITY, max_zt = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (v0 + fragment_col(j, e) < a.vocab_size) {
-            max_zs = fmaxf(max_zs, zs.v[j][2 * i + e]);
-            max_zt = fmaxf(max_zt, zt.v[j][2 * i + e]);
-          }
-        }
-      }
-      if (max_zs == -INFINITY) continue;  // no vocabulary entry of this tile in this thread's columns
-      part.w.m = scale_logit(weight_by_student ? max_zs : max_zt, inv_t);
-      part.o.m = scale_logit(weight_by_student ? max_zt : max_zs, inv_t);
-      ce_part.m = max_zs;
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int64_t col = v0 + fragment_col(j, e);
-          if (col >= a.vocab_size) continue;
-          const float z_s = zs.v[j][2 * i + e], z_t = zt.v[j][2 * i + e];
-          const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
-          const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
-          const float ew = exp_(w - part.w.m);
-          part.w.l += ew;
-          part.a += ew * (w - o);
-          part.o.l += exp_(o - part.o.m);
-          if (a.ce_weight != 0.f) {
-            ce_part.l += exp_(z_s - ce_part.m);
-            if (col == rows.label[i]) label_logit[rows.row[i]] = z_s;
-          }
-        }
-      }
-      merge(st[i], part);
-      merge(ce[i], ce_part);
-    }
-  });
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    merge_across_quad(st[i], ce[i]);  // all lanes take part: the shuffles need the full warp
-    if (rows.valid[i] && threadIdx.x % 4 == 0) {
-      float* out = partial + (int64_t(blockIdx.y) * a.n_rows + rows.row[i]) * kPartialFields;
-      out[0] = st[i].w.m;
-      out[1] = st[i].w.l;
-      out[2] = st[i].o.m;
-      out[3] = st[i].o.l;
-      out[4] = st[i].a;
-      out[5] = ce[i].m;
-      out[6] = ce[i].l;
-    }
-  }
-}
 
 // Merges the splits of each row (in split order: deterministic) into loss and row_stats.
 template <typename T>
@@ -157,53 +49,6 @@ __global__ void merge_kl_kernel(FusedLinearArgs<T> a, int splits, const float* _
   loss[n] = value;
 }
 
-// Pass 2 of JSD: per row and split, sums of q (log q - log M) and p (log p - log M).
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads) mixture_kernel(FusedLinearArgs<T> a, int64_t tiles_per_split,
-                                                           const float* __restrict__ row_stats,
-                                                           float* __restrict__ partial) {
-  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
-  const FragmentRows rows(a, row0);
-  LogNormalizer<float> norm_s[2], norm_t[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float* row = row_stats + (rows.valid[i] ? rows.row[i] : 0) * kNumRowStats;
-    norm_s[i] = {row[kMaxS], row[kLogSumS]};
-    norm_t[i] = {row[kMaxT], row[kLogSumT]};
-  }
-  float kl_q_m[2] = {0.f, 0.f}, kl_p_m[2] = {0.f, 0.f};
-  for_each_vocab_tile<T, kVec>(a, row0, tiles_per_split, [&](int64_t v0, const Acc& zs, const Acc& zt) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (!rows.valid[i]) continue;
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
-          const float log_p = log_prob(scale_logit(zs.v[j][2 * i + e], a.inv_temperature), norm_s[i]);
-          const float log_q = log_prob(scale_logit(zt.v[j][2 * i + e], a.inv_temperature), norm_t[i]);
-          const float log_m = log_mixture(a.div, log_p, log_q);
-          kl_q_m[i] += exp_(log_q) * (log_q - log_m);
-          kl_p_m[i] += exp_(log_p) * (log_p - log_m);
-        }
-      }
-    }
-  });
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    for (int mask = 1; mask <= 2; mask <<= 1) {
-      kl_q_m[i] += shfl_xor(kl_q_m[i], mask);
-      kl_p_m[i] += shfl_xor(kl_p_m[i], mask);
-    }
-    if (rows.valid[i] && threadIdx.x % 4 == 0) {
-      float* out = partial + (int64_t(blockIdx.y) * a.n_rows + rows.row[i]) * 2;
-      out[0] = kl_q_m[i];
-      out[1] = kl_p_m[i];
-    }
-  }
-}
-
 template <typename T>
 __global__ void finish_jsd_kernel(FusedLinearArgs<T> a, int splits, const float* __restrict__ partial,
                                   const float* __restrict__ label_logit, float* __restrict__ loss,
@@ -225,44 +70,33 @@ __global__ void finish_jsd_kernel(FusedLinearArgs<T> a, int splits, const float*
   loss[n] = value;
 }
 
-// Enough blocks for several waves; each split is a whole number of vocabulary tiles.
-int64_t choose_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
-  const int sms = multiprocessor_count();
-  const int64_t target_blocks = int64_t(sms) * 8;
-  const int64_t splits = std::max<int64_t>(1, std::min(vocab_tiles, (target_blocks + row_tiles - 1) / row_tiles));
-  return (vocab_tiles + splits - 1) / splits;
-}
-
-template <typename T, bool kVec>
-void launch_forward(const FusedLinearArgs<T>& a, at::Tensor& loss, at::Tensor& row_stats) {
-  const int64_t row_tiles = (a.n_rows + kTileRows - 1) / kTileRows;
-  const int64_t vocab_tiles = (a.vocab_size + kTileCols - 1) / kTileCols;
-  const int64_t tiles_per_split = choose_tiles_per_split(row_tiles, vocab_tiles);
-  const int splits = static_cast<int>((vocab_tiles + tiles_per_split - 1) / tiles_per_split);
-  TORCH_CHECK(row_tiles < (int64_t(1) << 31), "too many rows for one launch: ", a.n_rows);
+void launch_forward(const LogitTilePasses& passes, const at::Tensor& xs, const at::Tensor& xt,
+                    const at::Tensor& ws, const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                    const FusedLinearParams& p, at::Tensor& loss, at::Tensor& row_stats) {
+  const int64_t splits = passes.forward_splits();
   const auto options = loss.options();
-  at::Tensor partial = at::empty({splits, a.n_rows, kPartialFields}, options);
-  at::Tensor label_logit = at::zeros({a.n_rows}, options);
+  at::Tensor partial = at::empty({splits, p.num_rows, kPartialFields}, options);
+  at::Tensor label_logit = at::zeros({p.num_rows}, options);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(row_tiles), splits);
-  const int row_blocks = static_cast<int>((a.n_rows + 255) / 256);
-
-  online_kl_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(a, tiles_per_split, partial.data_ptr<float>(),
-                                                           label_logit.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, splits, partial.data_ptr<float>(),
-                                                     label_logit.data_ptr<float>(), loss.data_ptr<float>(),
-                                                     row_stats.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (a.div.kind == LossKind::kJSD) {
-    mixture_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(a, tiles_per_split, row_stats.data_ptr<float>(),
-                                                           partial.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    finish_jsd_kernel<T><<<row_blocks, 256, 0, stream>>>(a, splits, partial.data_ptr<float>(),
+  const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
+  passes.kl_pass(partial, label_logit);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "nitrobrew_merge_splits", [&] {
+    using T = cuda_type_t<scalar_t>;
+    if constexpr (!std::is_same_v<T, double>) {
+      const FusedLinearArgs<T> a = make_args<T>(xs, xt, ws, wt, labels, p);
+      merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
                                                          label_logit.data_ptr<float>(), loss.data_ptr<float>(),
                                                          row_stats.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (a.div.kind == LossKind::kJSD) {
+        passes.mixture_pass(row_stats, partial);
+        finish_jsd_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
+                                                             label_logit.data_ptr<float>(), loss.data_ptr<float>(),
+                                                             row_stats.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_distill_fwd_cuda(
@@ -283,18 +117,8 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_distill_fwd_cuda(
   at::Tensor loss = at::zeros({p.num_rows}, options);
   at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, options);
   if (p.num_rows == 0) return {loss, row_stats};
-  const bool vec = vectorizable(xs) && vectorizable(xt) && vectorizable(ws) && vectorizable(wt);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_distill_fwd_cuda", [&] {
-    using T = cuda_type_t<scalar_t>;
-    if constexpr (!std::is_same_v<T, double>) {
-      const FusedLinearArgs<T> a = make_args<T>(xs, xt, ws, wt, labels, p);
-      if (vec) {
-        launch_forward<T, true>(a, loss, row_stats);
-      } else {
-        launch_forward<T, false>(a, loss, row_stats);
-      }
-    }
-  });
+  const LogitTilePasses passes(xs, xt, ws, wt, labels, p);
+  launch_forward(passes, xs, xt, ws, wt, labels, p, loss, row_stats);
   return {loss, row_stats};
 }
 

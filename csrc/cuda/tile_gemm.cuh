@@ -42,13 +42,18 @@ struct Operand {
   int64_t rows;  // valid rows from ptr (rows past it read as zero)
 };
 
-struct Acc {
-  float v[kNTiles][4];
+// A thread's share of a logit tile: kN n-tiles of 8 columns, 4 entries each, in the layout
+// above. The sm_90a wgmma accumulator of a 64 x 8kN tile has the same layout per warp.
+template <int kN>
+struct TileAcc {
+  static constexpr int kNTiles = kN;
+  float v[kN][4];
   __device__ __forceinline__ void zero() {
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
+    for (int j = 0; j < kN; ++j) v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
   }
 };
+using Acc = TileAcc<kNTiles>;
 
 // float -> storage type (torch builds with the implicit half conversions switched off).
 template <typename T>

@@ -1,0 +1,227 @@
+// What the CUDA kernels do with each pair of student/teacher logit tiles: the three passes
+// of the fused-linear losses, shared by the sm_80 (mma.sync) and sm_90a (wgmma) kernels.
+//
+// A pass is built per thread with the rows its accumulator fragment covers, sees every logit
+// tile of its block's vocabulary split (`tile`), and writes its result at the end (`finish`):
+//   KLPass      forward pass 1: one-pass KL state and the CE add-on's softmax state, per row
+//               and split, merged by the forward's merge kernel;
+//   MixturePass forward pass 2 of JSD: sums of q (log q - log M) and p (log p - log M);
+//   GradPass    backward: dLoss/dz of the tile, written to a [N x chunk] buffer.
+#pragma once
+
+#include "fused_linear_common.cuh"
+
+namespace nitrobrew {
+namespace cuda {
+
+constexpr int kPartialFields = 8;  // KLPass's record: w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused
+
+__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+// The four lanes of a quad hold the same two rows; merges their states (all lanes take part).
+__device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxState<float>& ce) {
+#pragma unroll
+  for (int mask = 1; mask <= 2; mask <<= 1) {
+    KLState<float> other;
+    other.w.m = shfl_xor(st.w.m, mask);
+    other.w.l = shfl_xor(st.w.l, mask);
+    other.o.m = shfl_xor(st.o.m, mask);
+    other.o.l = shfl_xor(st.o.l, mask);
+    other.a = shfl_xor(st.a, mask);
+    SoftmaxState<float> other_ce;
+    other_ce.m = shfl_xor(ce.m, mask);
+    other_ce.l = shfl_xor(ce.l, mask);
+    merge(st, other);
+    merge(ce, other_ce);
+  }
+}
+
+template <typename T>
+struct KLPass {
+  struct Params {
+    float* partial;      // [splits, N, kPartialFields]
+    float* label_logit;  // [N]: the student's raw logit of the label (CE add-on)
+  };
+  Params p;
+  KLState<float> st[2];
+  SoftmaxState<float> ce[2];
+
+  __device__ __forceinline__ KLPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
+      : p(params) {}
+
+  template <int kN>
+  __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+    const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
+    const float inv_t = a.inv_temperature;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rows.valid[i]) continue;
+      KLState<float> part;
+      SoftmaxState<float> ce_part;
+      float max_zs = -INFINITY, max_zt = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (v0 + fragment_col(j, e) < a.vocab_size) {
+            max_zs = fmaxf(max_zs, zs.v[j][2 * i + e]);
+            max_zt = fmaxf(max_zt, zt.v[j][2 * i + e]);
+          }
+        }
+      }
+      if (max_zs == -INFINITY) continue;  // no vocabulary entry of this tile in this thread's columns
+      part.w.m = scale_logit(weight_by_student ? max_zs : max_zt, inv_t);
+      part.o.m = scale_logit(weight_by_student ? max_zt : max_zs, inv_t);
+      ce_part.m = max_zs;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t col = v0 + fragment_col(j, e);
+          if (col >= a.vocab_size) continue;
+          const float z_s = zs.v[j][2 * i + e], z_t = zt.v[j][2 * i + e];
+          const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
+          const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
+          const float ew = exp_(w - part.w.m);
+          part.w.l += ew;
+          part.a += ew * (w - o);
+          part.o.l += exp_(o - part.o.m);
+          if (a.ce_weight != 0.f) {
+            ce_part.l += exp_(z_s - ce_part.m);
+            if (col == rows.label[i]) p.label_logit[rows.row[i]] = z_s;
+          }
+        }
+      }
+      merge(st[i], part);
+      merge(ce[i], ce_part);
+    }
+  }
+
+  __device__ __forceinline__ void finish(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t split) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      merge_across_quad(st[i], ce[i]);
+      if (rows.valid[i] && threadIdx.x % 4 == 0) {
+        float* out = p.partial + (split * a.n_rows + rows.row[i]) * kPartialFields;
+        out[0] = st[i].w.m;
+        out[1] = st[i].w.l;
+        out[2] = st[i].o.m;
+        out[3] = st[i].o.l;
+        out[4] = st[i].a;
+        out[5] = ce[i].m;
+        out[6] = ce[i].l;
+      }
+    }
+  }
+};
+
+template <typename T>
+struct MixturePass {
+  struct Params {
+    const float* row_stats;  // [N, kNumRowStats] from pass 1
+    float* partial;          // [splits, N, 2]
+  };
+  Params p;
+  LogNormalizer<float> norm_s[2], norm_t[2];
+  float kl_q_m[2] = {0.f, 0.f}, kl_p_m[2] = {0.f, 0.f};
+
+  __device__ __forceinline__ MixturePass(const FusedLinearArgs<T>&, const FragmentRows& rows, const Params& params)
+      : p(params) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float* row = p.row_stats + (rows.valid[i] ? rows.row[i] : 0) * kNumRowStats;
+      norm_s[i] = {row[kMaxS], row[kLogSumS]};
+      norm_t[i] = {row[kMaxT], row[kLogSumT]};
+    }
+  }
+
+  template <int kN>
+  __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!rows.valid[i]) continue;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
+          const float log_p = log_prob(scale_logit(zs.v[j][2 * i + e], a.inv_temperature), norm_s[i]);
+          const float log_q = log_prob(scale_logit(zt.v[j][2 * i + e], a.inv_temperature), norm_t[i]);
+          const float log_m = log_mixture(a.div, log_p, log_q);
+          kl_q_m[i] += exp_(log_q) * (log_q - log_m);
+          kl_p_m[i] += exp_(log_p) * (log_p - log_m);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void finish(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t split) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      for (int mask = 1; mask <= 2; mask <<= 1) {
+        kl_q_m[i] += shfl_xor(kl_q_m[i], mask);
+        kl_p_m[i] += shfl_xor(kl_p_m[i], mask);
+      }
+      if (rows.valid[i] && threadIdx.x % 4 == 0) {
+        float* out = p.partial + (split * a.n_rows + rows.row[i]) * 2;
+        out[0] = kl_q_m[i];
+        out[1] = kl_p_m[i];
+      }
+    }
+  }
+};
+
+template <typename T>
+struct GradPass {
+  struct Params {
+    const float* row_stats;  // [N, kNumRowStats] from the forward
+    int64_t chunk_begin, chunk_cols;
+    T* grad;  // [N x >= chunk_cols] at row stride ld: entry (n, v) at grad[n * ld + v - chunk_begin]
+    int64_t ld;
+  };
+  Params p;
+
+  __device__ __forceinline__ GradPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
+      : p(params) {}
+
+  template <int kN>
+  __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+    const float inv_t = a.inv_temperature;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (rows.row[i] >= a.n_rows) continue;
+      const float* row = p.row_stats + rows.row[i] * kNumRowStats;
+      const LogNormalizer<float> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
+      const LogNormalizer<float> norm_ce{row[kMaxCE], row[kLogSumCE]};
+      const float center = row[kGradCenter];
+      T* out = p.grad + rows.row[i] * p.ld - p.chunk_begin;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t col = v0 + fragment_col(j, e);
+          if (col >= p.chunk_begin + p.chunk_cols) continue;
+          float dz = 0.f;
+          if (rows.valid[i] && col < a.vocab_size) {
+            const float z = zs.v[j][2 * i + e];
+            const float s = scale_logit(z, inv_t), t = scale_logit(zt.v[j][2 * i + e], inv_t);
+            dz = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
+            if (a.ce_weight != 0.f) {
+              dz += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col == rows.label[i] ? 1.f : 0.f));
+            }
+            dz *= softcap_grad_from_capped(z, a.softcap_s);
+          }
+          out[col] = from_float<T>(dz);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void finish(const FusedLinearArgs<T>&, const FragmentRows&, int64_t) {}
+};
+
+}  // namespace cuda
+}  // namespace nitrobrew

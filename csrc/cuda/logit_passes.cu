@@ -1,0 +1,225 @@
+// Host side of the logit-tile kernels: picks the kernel family for the inputs and device,
+// plans the vocabulary splits, and launches the three passes (fused_linear_passes.cuh).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cudaTypedefs.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "hopper_gemm.cuh"
+
+namespace nitrobrew {
+namespace cuda {
+namespace {
+
+// Row blocks that the sm_90a kernel's concurrently running blocks share (see BlockOrder):
+// 8 x 128 rows of X (~18 MB at D = 8704) stay in L2 while W streams past them.
+constexpr int64_t kGroupRowBlocks = 8;
+
+bool forced_sm80() {
+  const char* value = std::getenv("NITROBREW_FORCE_SM80");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+// TMA addresses rows with 32-bit coordinates from a 16-byte-aligned base at a stride that is a
+// multiple of 16 bytes.
+bool tma_addressable(const at::Tensor& t) {
+  const int64_t bytes = t.element_size();
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(1) == 1 && (t.stride(0) * bytes) % 16 == 0 &&
+         t.size(0) < (int64_t(1) << 31) && t.size(1) < (int64_t(1) << 31);
+}
+
+// Whether the sm_90a build of the kernels is the one loaded on the current device: true on
+// Hopper when the package was built for 9.0a (an sm_80-only build runs its sm_80 code there).
+bool sm90a_kernels_loaded() {
+  static std::mutex mutex;
+  static std::unordered_map<int, bool> loaded;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(device);
+  if (it == loaded.end()) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(
+        &attr, hopper::hopper_logit_kernel<__nv_bfloat16, KLPass<__nv_bfloat16>>));
+    it = loaded.emplace(device, major == 9 && attr.binaryVersion == 90).first;
+  }
+  return it->second;
+}
+
+KernelPath choose_path(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt) {
+  const bool half = xs.scalar_type() == at::kBFloat16 || xs.scalar_type() == at::kHalf;
+  if (!half || forced_sm80()) return KernelPath::kMmaSync;
+  if (!(tma_addressable(xs) && tma_addressable(xt) && tma_addressable(ws) && tma_addressable(wt))) {
+    return KernelPath::kMmaSync;
+  }
+  return sm90a_kernels_loaded() ? KernelPath::kWgmma : KernelPath::kMmaSync;
+}
+
+// mma.sync path: blocks are small (several per SM), so enough splits for ~8 waves of them.
+int64_t mma_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
+  const int64_t target_blocks = int64_t(multiprocessor_count()) * 8;
+  const int64_t splits = std::max<int64_t>(1, std::min(vocab_tiles, (target_blocks + row_tiles - 1) / row_tiles));
+  return (vocab_tiles + splits - 1) / splits;
+}
+
+// wgmma path: one block per SM, so the split count is picked to balance the waves: it
+// minimizes (waves of blocks) x (tiles per block + a block's fixed cost, ~1/4 tile).
+int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles) {
+  const int64_t sms = multiprocessor_count();
+  int64_t best = vocab_tiles;
+  double best_cost = 1e300;
+  for (int64_t per = 1; per <= vocab_tiles; ++per) {
+    const int64_t splits = (vocab_tiles + per - 1) / per;
+    if (per > 1 && (vocab_tiles + per - 2) / (per - 1) == splits) continue;  // same split count, more tiles
+    const int64_t waves = (row_blocks * splits + sms - 1) / sms;
+    const double cost = double(waves) * (double(per) + 0.25);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = per;
+    }
+  }
+  return best;
+}
+
+decltype(PFN_cuTensorMapEncodeTiled_v12000{}) tensor_map_encoder() {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "nitrobrew: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// TMA descriptor of the first `rows` rows of a row-major [rows x D] 16-bit matrix, in boxes of
+// 128 rows x 64 columns with the 128-byte swizzle that wgmma reads; out-of-range reads are 0.
+CUtensorMap tensor_map(const at::Tensor& t, int64_t rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.stride(0) * t.element_size())};
+  const cuuint32_t box[2] = {hopper::kK, hopper::kRows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = tensor_map_encoder()(
+      &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "nitrobrew: cuTensorMapEncodeTiled failed (", int(result), ")");
+  return map;
+}
+
+struct LaunchPlan {
+  VocabSchedule sched;
+  int64_t splits;
+};
+
+template <typename T, typename Pass>
+void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, const at::Tensor& xs,
+                 const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt, const LaunchPlan& plan,
+                 const typename Pass::Params& params) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (path == KernelPath::kWgmma) {
+    if constexpr (sizeof(T) == 2) {
+      const hopper::TensorMaps maps{tensor_map(xs, a.n_rows), tensor_map(xt, a.n_rows),
+                                    tensor_map(ws, a.vocab_size), tensor_map(wt, a.vocab_size)};
+      const int64_t row_blocks = (a.n_rows + hopper::kRows - 1) / hopper::kRows;
+      const int64_t blocks = row_blocks * plan.splits;
+      TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many blocks for one launch");
+      const hopper::BlockOrder order{row_blocks, plan.splits, kGroupRowBlocks};
+      auto kernel = hopper::hopper_logit_kernel<T, Pass>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
+      kernel<<<static_cast<unsigned>(blocks), hopper::kThreads, hopper::kSmemBytes, stream>>>(maps, a, order,
+                                                                                             plan.sched, params);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
+  const int64_t row_tiles = (a.n_rows + kTileRows - 1) / kTileRows;
+  TORCH_CHECK(row_tiles < (int64_t(1) << 31) && plan.splits < 65536, "nitrobrew: too many blocks for one launch");
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(plan.splits));
+  if (vectorized) {
+    mma_logit_kernel<T, true, Pass><<<grid, kThreads, 0, stream>>>(a, plan.sched, params);
+  } else {
+    mma_logit_kernel<T, false, Pass><<<grid, kThreads, 0, stream>>>(a, plan.sched, params);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Splits tiles [first, end) for `rows` rows the way the path's blocks want them.
+LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end) {
+  const int64_t tiles = std::max<int64_t>(end - first, 1);
+  const int64_t per = path == KernelPath::kWgmma
+                          ? wgmma_tiles_per_split((rows + hopper::kRows - 1) / hopper::kRows, tiles)
+                          : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
+  return {VocabSchedule{first, end, per}, (tiles + per - 1) / per};
+}
+
+}  // namespace
+
+LogitTilePasses::LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+                                 const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                                 const FusedLinearParams& p)
+    : xs_(xs), xt_(xt), ws_(ws), wt_(wt), labels_(labels), p_(p) {
+  path_ = choose_path(xs, xt, ws, wt);
+  vectorized_ = vectorizable(xs) && vectorizable(xt) && vectorizable(ws) && vectorizable(wt);
+  tile_cols_ = path_ == KernelPath::kWgmma ? hopper::kCols : kTileCols;
+  const int64_t vocab_tiles = (p.vocab_size + tile_cols_ - 1) / tile_cols_;
+  const LaunchPlan plan = plan_for(path_, p.num_rows, 0, vocab_tiles);
+  forward_tiles_per_split_ = plan.sched.tiles_per_split;
+  forward_splits_ = plan.splits;
+}
+
+#define NITROBREW_DISPATCH_16_32(NAME, ...)                                                       \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs_.scalar_type(), NAME, [&] {        \
+    using T = cuda_type_t<scalar_t>;                                                              \
+    if constexpr (!std::is_same_v<T, double>) {                                                   \
+      const FusedLinearArgs<T> a = make_args<T>(xs_, xt_, ws_, wt_, labels_, p_);                 \
+      __VA_ARGS__                                                                                 \
+    }                                                                                             \
+  })
+
+void LogitTilePasses::kl_pass(at::Tensor& partial, at::Tensor& label_logit) const {
+  const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
+  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_};
+  NITROBREW_DISPATCH_16_32("nitrobrew_kl_pass", {
+    const typename KLPass<T>::Params params{partial.data_ptr<float>(), label_logit.data_ptr<float>()};
+    launch_pass<T, KLPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
+  });
+}
+
+void LogitTilePasses::mixture_pass(const at::Tensor& row_stats, at::Tensor& partial) const {
+  const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
+  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_};
+  NITROBREW_DISPATCH_16_32("nitrobrew_mixture_pass", {
+    const typename MixturePass<T>::Params params{row_stats.data_ptr<float>(), partial.data_ptr<float>()};
+    launch_pass<T, MixturePass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
+  });
+}
+
+void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols,
+                                at::Tensor& grad_chunk) const {
+  TORCH_CHECK(grad_chunk.stride(1) == 1 && grad_chunk.size(1) >= chunk_cols && grad_chunk.size(0) == p_.num_rows);
+  TORCH_CHECK(chunk_begin % kGradChunkAlign == 0, "nitrobrew: misaligned backward chunk");
+  if (p_.num_rows == 0 || chunk_cols == 0) return;
+  const LaunchPlan plan =
+      plan_for(path_, p_.num_rows, chunk_begin / tile_cols_, (chunk_begin + chunk_cols + tile_cols_ - 1) / tile_cols_);
+  NITROBREW_DISPATCH_16_32("nitrobrew_grad_pass", {
+    const typename GradPass<T>::Params params{row_stats.data_ptr<float>(), chunk_begin, chunk_cols,
+                                              reinterpret_cast<T*>(grad_chunk.data_ptr()), grad_chunk.stride(0)};
+    launch_pass<T, GradPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
+  });
+}
+
+}  // namespace cuda
+}  // namespace nitrobrew

@@ -1,0 +1,98 @@
+"""The two CUDA kernel families (mma.sync for sm_80, TMA + wgmma for sm_90a): which one runs,
+and both against the float64 reference on shapes that exercise their tiling (several row
+blocks, vocabulary tiles, K slabs and block groups, none of them whole)."""
+
+import itertools
+
+import pytest
+import torch
+
+import nitrobrew
+from conftest import CUDA
+from helpers import check_against_reference, make_problem
+
+pytestmark = CUDA
+
+BETAS = [0.0, 1.0, 0.5]
+
+
+def is_hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["auto", "sm80"])
+def kernel_family(request, monkeypatch):
+    """Runs a test with the kernels the library picks, then with the sm_80 ones forced."""
+    if request.param == "sm80":
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    return request.param
+
+
+def launched_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def run_loss(xs, xt, ws, wt):
+    xs = xs.detach().requires_grad_()
+    ws = ws.detach().requires_grad_()
+    nitrobrew.jsd(xs, xt, ws, wt, beta=0.5).backward()
+
+
+@pytest.mark.parametrize("d_s", [64, 61])
+def test_kernel_family_selection(kernel_family, d_s):
+    # bf16 rows of 64 values are TMA-addressable; 61 values (122 bytes) are not.
+    xs, xt, ws, wt, _ = make_problem(n=200, v=300, d_s=d_s, d_t=64, dtype=torch.bfloat16, device="cuda")
+    names = launched_kernels(lambda: run_loss(xs, xt, ws, wt))
+    hopper = sum("hopper_logit_kernel" in n for n in names)
+    mma = sum("mma_logit_kernel" in n for n in names)
+    if kernel_family == "auto" and is_hopper() and d_s % 8 == 0:
+        assert hopper == 3 and mma == 0, names  # KL pass, mixture pass, gradient pass
+    else:
+        assert hopper == 0 and mma == 3, names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "beta,masked,ce_weight,softcap,padded",
+    list(itertools.product(BETAS, [False, True], [0.0, 0.5], [False, True], [False, True])),
+)
+def test_tensor_core_kernels_every_option(kernel_family, dtype, beta, masked, ce_weight, softcap, padded):
+    # 300 rows = 2 x 128 + 44; V = 1000 = 7 x 128 + 104; K = 200 and 136: 4 and 3 slabs of 64,
+    # the last partial.
+    rows = 1030 if padded else None
+    xs, xt, ws, wt, labels = make_problem(n=300, v=1000, d_s=200, d_t=136, dtype=dtype, device="cuda",
+                                          masked=masked, rows_s=rows, rows_t=rows)
+    options = dict(reduction="none", labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
+                   temperature=1.5, vocab_size=1000 if padded else None)
+    if softcap:
+        options.update(softcap_s=4.0, softcap_t=6.0)
+    check_against_reference(xs, xt, ws, wt, beta=beta, **options)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_tensor_core_kernels_many_row_blocks(kernel_family, beta):
+    # 1100 rows: 9 row blocks of 128, so the sm_90a block order's second group is partial.
+    xs, xt, ws, wt, labels = make_problem(n=1100, v=700, d_s=72, d_t=48, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none")
+
+
+@pytest.mark.parametrize("temperature", [0.1, 10.0])
+def test_tensor_core_kernels_temperatures_and_large_logits(kernel_family, temperature):
+    xs, xt, ws, wt, labels = make_problem(n=150, v=500, d_s=64, d_t=128, dtype=torch.bfloat16, device="cuda",
+                                          scale=30.0, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=0.0, temperature=temperature, labels=labels, reduction="sum")
+
+
+def test_tensor_core_kernels_non_contiguous_rows(kernel_family):
+    # Row strides larger than the row (slices of wider matrices) stay on the fast path when aligned.
+    xs, xt, ws, wt, labels = make_problem(n=130, v=400, d_s=80, d_t=96, dtype=torch.bfloat16, device="cuda")
+    wide = lambda t: torch.cat([t, torch.zeros_like(t[:, :16])], dim=1)[:, : t.shape[1]]
+    xs, ws = wide(xs), wide(ws)
+    assert not xs.is_contiguous() and not ws.is_contiguous()
+    check_against_reference(xs, xt, ws, wt, beta=1.0, reduction="mean")
