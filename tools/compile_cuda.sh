@@ -34,8 +34,14 @@ if not any(os.path.exists(os.path.join(p, "c10/cuda/impl/cuda_cmake_macros.h")) 
     print("-Itools/cuda_stubs")
 PY
 )
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+# KEEP_OBJ=dir keeps the objects there (for cuobjdump -sass); NVCC_EXTRA adds nvcc flags.
+if [ -n "${KEEP_OBJ:-}" ]; then
+  out=$KEEP_OBJ
+  mkdir -p "$out"
+else
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
 for src in "${sources[@]}"; do
   echo "compile_cuda: $src"
   "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}" ${NVCC_EXTRA:-}

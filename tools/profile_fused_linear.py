@@ -1,8 +1,11 @@
 """A forward and a backward pass at one shape, for ncu:
 
-    ncu --kernel-name regex:online_kl --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:logit_kernel --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python3 tools/profile_fused_linear.py --tokens 2048
+
+With --breakdown, prints the GPU time of each kernel of one forward + backward instead
+(torch.profiler), to see where the time goes.
 """
 
 import argparse
@@ -18,6 +21,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--d-student", type=int, default=3584)
     parser.add_argument("--d-teacher", type=int, default=5120)
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     kw = dict(device="cuda", dtype=torch.bfloat16)
     xs = torch.randn(args.tokens, args.d_student, **kw, requires_grad=True)
@@ -27,6 +31,11 @@ def main():
     for _ in range(2):  # the first pass warms up; profile the second
         nitrobrew.forward_kl(xs, xt, ws, wt).backward()
     torch.cuda.synchronize()
+    if args.breakdown:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            nitrobrew.forward_kl(xs, xt, ws, wt).backward()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
 
 
 if __name__ == "__main__":

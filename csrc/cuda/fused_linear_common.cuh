@@ -115,14 +115,12 @@ __device__ __forceinline__ Operand<T> rows_of(const T* base, int64_t ld, int64_t
 }
 
 template <int kN>
-__device__ __forceinline__ void apply_softcaps(TileAcc<kN>& zs, TileAcc<kN>& zt, float cap_s, float cap_t) {
+__device__ __forceinline__ void apply_softcap(TileAcc<kN>& z, float cap) {
+  if (cap <= 0.f) return;
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      zs.v[j][e] = softcap(zs.v[j][e], cap_s);
-      zt.v[j][e] = softcap(zt.v[j][e], cap_t);
-    }
+    for (int e = 0; e < 4; ++e) z.v[j][e] = softcap(z.v[j][e], cap);
   }
 }
 
@@ -132,7 +130,8 @@ __device__ __forceinline__ void logit_tiles(Acc& zs, Acc& zt, SmemTile<T>& smem,
                                             int64_t row0, int64_t v0) {
   tile_gemm<T, kVec>(zs, smem, rows_of(a.xs, a.ld_xs, row0, a.n_rows), rows_of(a.ws, a.ld_ws, v0, a.vocab_size), a.d_s);
   tile_gemm<T, kVec>(zt, smem, rows_of(a.xt, a.ld_xt, row0, a.n_rows), rows_of(a.wt, a.ld_wt, v0, a.vocab_size), a.d_t);
-  apply_softcaps(zs, zt, a.softcap_s, a.softcap_t);
+  apply_softcap(zs, a.softcap_s);
+  apply_softcap(zt, a.softcap_t);
 }
 
 // The sm_80 path (mma.sync; runs on sm_90 too). Grid: (row tiles of 64, splits). Each block

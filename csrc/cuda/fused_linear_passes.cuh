@@ -2,7 +2,9 @@
 // of the fused-linear losses, shared by the sm_80 (mma.sync) and sm_90a (wgmma) kernels.
 //
 // A pass is built per thread with the rows its accumulator fragment covers, sees every logit
-// tile of its block's vocabulary split (`tile`), and writes its result at the end (`finish`):
+// tile of its block's vocabulary split (`tile`, reading entry (j, k) of the thread's fragment
+// of each tile with .at(j, k): registers or shared memory), and writes its result at the end
+// (`finish`):
 //   KLPass      forward pass 1: one-pass KL state and the CE add-on's softmax state, per row
 //               and split, merged by the forward's merge kernel;
 //   MixturePass forward pass 2 of JSD: sums of q (log q - log M) and p (log p - log M);
@@ -49,9 +51,10 @@ struct KLPass {
   __device__ __forceinline__ KLPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
       : p(params) {}
 
-  template <int kN>
+  template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
-                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+                                       const ZS& zs, const ZT& zt) {
+    constexpr int kN = ZT::kNTiles;
     const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
     const float inv_t = a.inv_temperature;
 #pragma unroll
@@ -65,8 +68,8 @@ struct KLPass {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (v0 + fragment_col(j, e) < a.vocab_size) {
-            max_zs = fmaxf(max_zs, zs.v[j][2 * i + e]);
-            max_zt = fmaxf(max_zt, zt.v[j][2 * i + e]);
+            max_zs = fmaxf(max_zs, zs.at(j, 2 * i + e));
+            max_zt = fmaxf(max_zt, zt.at(j, 2 * i + e));
           }
         }
       }
@@ -80,7 +83,7 @@ struct KLPass {
         for (int e = 0; e < 2; ++e) {
           const int64_t col = v0 + fragment_col(j, e);
           if (col >= a.vocab_size) continue;
-          const float z_s = zs.v[j][2 * i + e], z_t = zt.v[j][2 * i + e];
+          const float z_s = zs.at(j, 2 * i + e), z_t = zt.at(j, 2 * i + e);
           const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
           const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
           const float ew = exp_(w - part.w.m);
@@ -136,9 +139,10 @@ struct MixturePass {
     }
   }
 
-  template <int kN>
+  template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
-                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+                                       const ZS& zs, const ZT& zt) {
+    constexpr int kN = ZT::kNTiles;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!rows.valid[i]) continue;
@@ -147,8 +151,8 @@ struct MixturePass {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
-          const float log_p = log_prob(scale_logit(zs.v[j][2 * i + e], a.inv_temperature), norm_s[i]);
-          const float log_q = log_prob(scale_logit(zt.v[j][2 * i + e], a.inv_temperature), norm_t[i]);
+          const float log_p = log_prob(scale_logit(zs.at(j, 2 * i + e), a.inv_temperature), norm_s[i]);
+          const float log_q = log_prob(scale_logit(zt.at(j, 2 * i + e), a.inv_temperature), norm_t[i]);
           const float log_m = log_mixture(a.div, log_p, log_q);
           kl_q_m[i] += exp_(log_q) * (log_q - log_m);
           kl_p_m[i] += exp_(log_p) * (log_p - log_m);
@@ -173,6 +177,18 @@ struct MixturePass {
   }
 };
 
+// Stores two adjacent entries at an address aligned to both (a packed 16-bit pair or float2).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  }
+}
+
 template <typename T>
 struct GradPass {
   struct Params {
@@ -186,9 +202,10 @@ struct GradPass {
   __device__ __forceinline__ GradPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
       : p(params) {}
 
-  template <int kN>
+  template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
-                                       const TileAcc<kN>& zs, const TileAcc<kN>& zt) {
+                                       const ZS& zs, const ZT& zt) {
+    constexpr int kN = ZT::kNTiles;
     const float inv_t = a.inv_temperature;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -200,21 +217,25 @@ struct GradPass {
       T* out = p.grad + rows.row[i] * p.ld - p.chunk_begin;
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
+        const int64_t col = v0 + fragment_col(j, 0);  // even, as are chunk_begin and ld
+        float dz[2] = {0.f, 0.f};
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int64_t col = v0 + fragment_col(j, e);
-          if (col >= p.chunk_begin + p.chunk_cols) continue;
-          float dz = 0.f;
-          if (rows.valid[i] && col < a.vocab_size) {
-            const float z = zs.v[j][2 * i + e];
-            const float s = scale_logit(z, inv_t), t = scale_logit(zt.v[j][2 * i + e], inv_t);
-            dz = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
+          if (rows.valid[i] && col + e < a.vocab_size) {
+            const float z = zs.at(j, 2 * i + e);
+            const float s = scale_logit(z, inv_t), t = scale_logit(zt.at(j, 2 * i + e), inv_t);
+            dz[e] = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
             if (a.ce_weight != 0.f) {
-              dz += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col == rows.label[i] ? 1.f : 0.f));
+              dz[e] += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
             }
-            dz *= softcap_grad_from_capped(z, a.softcap_s);
+            dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
           }
-          out[col] = from_float<T>(dz);
+        }
+        const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
+        if (col + 1 < chunk_end) {
+          store_pair(out + col, dz[0], dz[1]);  // one 4- or 8-byte store: half the store instructions
+        } else if (col < chunk_end) {
+          out[col] = from_float<T>(dz[0]);
         }
       }
     }

@@ -3,15 +3,22 @@
 // exists only in the sm_90a pass (elsewhere it is empty and never launched: the host picks
 // this path only where the loaded binary is sm_90a, see logit_passes.cu).
 //
-// A block computes 128-row x 128-vocabulary logit tiles of the student and the teacher:
-//   warpgroup 0 (producer): one thread streams 128 x 64 slabs of X and W into a ring of
-//     kStages shared-memory stages with cp.async.bulk.tensor (TMA, 128-byte swizzle); each
-//     stage has a "full" mbarrier (TMA bytes landed) and an "empty" one (consumers are done);
-//   warpgroups 1, 2 (consumers): each multiplies its 64 rows of the X slab by the W slab with
-//     wgmma.m64n128k16 into float32 accumulators in registers, first the student tile, then
-//     the teacher tile, and hands both to the pass (fused_linear_passes.cuh) while the
-//     producer already streams the next tile's slabs.
-// A wgmma accumulator of 64 x 128 has, per warp, the register layout of 16 mma.m16n8 tiles
+// A block computes 128-row x 256-vocabulary logit tiles of the student and the teacher:
+//   producer (thread 0, Loader): streams 32-wide K slabs of X (128 rows) and W (256 rows)
+//     into a ring of kStages shared-memory stages with cp.async.bulk.tensor (TMA, 64-byte
+//     swizzle); each stage has a "full" mbarrier (TMA bytes landed) and an "empty" one
+//     (consumers are done), and is refilled as soon as both consumers release it;
+//   warpgroups 0, 1 (consumers): each multiplies its 64 rows of the X slab by the W slab with
+//     wgmma.m64n256k16 into float32 accumulators in registers: first the student tile, which
+//     it then parks in shared memory (ParkedTile), then the teacher tile in the same
+//     registers; the pass (fused_linear_passes.cuh) reads both while the producer already
+//     streams the next tile's slabs.
+// Why 256 wide: the two logit tiles must both exist when a tile is folded, and registers hold
+// only 128 x 128 of each; a 128 x 128 tile draws 1 byte from L2 per 64 FLOP and ran at ~40% of
+// the tensor cores' peak (TMA multicast within clusters, halving L2 reads, did not help: the
+// delivery into each SM bounds it). Parking the student tile (128 KB) allows 128 x 256,
+// 1 byte per 85 FLOP, the ratio cuBLAS runs at.
+// A wgmma accumulator of 64 x 256 has, per warp, the register layout of 32 mma.m16n8 tiles
 // (tile_gemm.cuh), so the passes serve both paths unchanged.
 #pragma once
 
@@ -30,15 +37,20 @@ namespace cuda {
 namespace hopper {
 
 constexpr int kRows = 128;      // block tile rows: 2 consumer warpgroups x 64
-constexpr int kCols = 128;      // vocabulary entries per tile
-constexpr int kK = 64;          // K per slab: 64 16-bit values = one 128-byte swizzle row
-constexpr int kStages = 6;      // shared-memory ring depth
-constexpr int kThreads = 384;   // producer warpgroup + 2 consumer warpgroups
+constexpr int kCols = 256;      // vocabulary entries per tile
+constexpr int kK = 32;          // K per slab: 32 16-bit values = one 64-byte swizzle row
+constexpr int kStages = 4;      // shared-memory ring depth
+// 2 warpgroups, both consumers; thread 0 also produces. 256 threads (2 warps per SM
+// sub-partition) may use 255 registers each; the 128-register accumulator and the pass need
+// ~200. (A dedicated producer warp or warpgroup puts 3 warps on a sub-partition, which caps
+// every thread at 168 registers and spilled; ptxas did not lift the cap after setmaxnreg.)
+constexpr int kThreads = 256;
 constexpr int kConsumerWarps = 8;
-constexpr int kSlabBytes = kRows * kK * 2;  // X slab and W slab alike (kRows == kCols)
-constexpr int kStageBytes = 2 * kSlabBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + 2 * kStages * 8 /* mbarriers */;
-static_assert(kRows == kCols, "one TMA box shape serves X and W");
+constexpr int kXSlabBytes = kRows * kK * 2;
+constexpr int kWSlabBytes = kCols * kK * 2;
+constexpr int kStageBytes = kXSlabBytes + kWSlabBytes;
+constexpr int kParkBytes = kRows * kCols * 4;
+constexpr int kSmemBytes = kStages * kStageBytes + kParkBytes + 1024 /* alignment */ + 2 * kStages * 8;
 
 // The four operands as TMA descriptors (built on the host, read by the copy engine).
 struct TensorMaps {
@@ -87,7 +99,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
-// Box {kK, 128} of a 2-D map at (column k, row) into shared memory; completes on `bar`.
+// The map's box at (column k, row) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
@@ -96,12 +108,12 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int3
       : "memory");
 }
 
-// wgmma shared-memory descriptor of a K-major operand in 128-byte-swizzled rows: 8-row groups
-// 1024 bytes apart (SBO); the leading offset is unused for this layout. Advancing K by 16
-// values adds 32 bytes, i.e. 2 to the encoded start address.
+// wgmma shared-memory descriptor of a K-major operand in 64-byte-swizzled rows (as TMA wrote
+// them): 8-row groups 512 bytes apart (SBO); the leading offset is unused for this layout.
+// Advancing K by 16 values adds 32 bytes, i.e. 2 to the encoded start address.
 __device__ __forceinline__ uint64_t smem_desc(const void* p) {
   const uint64_t addr = smem_addr(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(512 >> 4) << 32) | (uint64_t(2) << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -123,17 +135,20 @@ __device__ __forceinline__ void fence_acc(TileAcc<kN>& d) {
 
 // d (+)= A . B^T for a 64 x 16 slice of A and a 128 x 16 slice of B; scale_d = 0 overwrites d
 // (the first product of a tile: zeroing d with ordinary instructions would serialize wgmma).
+// d (+)= A . B^T for a 64 x 16 slice of A and a 256 x 16 slice of B; scale_d = 0 overwrites d
+// (the first product of a tile: zeroing d with ordinary instructions would serialize wgmma).
 template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(TileAcc<16>& d, uint64_t desc_a, uint64_t desc_b, int scale_d);
+__device__ __forceinline__ void wgmma_m64n256k16(TileAcc<32>& d, uint64_t desc_a, uint64_t desc_b, int scale_d);
 
 template <>
-__device__ __forceinline__ void wgmma_m64n128k16<__nv_bfloat16>(TileAcc<16>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+__device__ __forceinline__ void wgmma_m64n256k16<__nv_bfloat16>(TileAcc<32>& d, uint64_t desc_a, uint64_t desc_b,
+                                                                int scale_d) {
 #if NITROBREW_SM90A_DEVICE
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
       :
         "+f"(d.v[0][0]), "+f"(d.v[0][1]), "+f"(d.v[0][2]), "+f"(d.v[0][3]),
         "+f"(d.v[1][0]), "+f"(d.v[1][1]), "+f"(d.v[1][2]), "+f"(d.v[1][3]),
@@ -150,19 +165,36 @@ __device__ __forceinline__ void wgmma_m64n128k16<__nv_bfloat16>(TileAcc<16>& d, 
         "+f"(d.v[12][0]), "+f"(d.v[12][1]), "+f"(d.v[12][2]), "+f"(d.v[12][3]),
         "+f"(d.v[13][0]), "+f"(d.v[13][1]), "+f"(d.v[13][2]), "+f"(d.v[13][3]),
         "+f"(d.v[14][0]), "+f"(d.v[14][1]), "+f"(d.v[14][2]), "+f"(d.v[14][3]),
-        "+f"(d.v[15][0]), "+f"(d.v[15][1]), "+f"(d.v[15][2]), "+f"(d.v[15][3])
+        "+f"(d.v[15][0]), "+f"(d.v[15][1]), "+f"(d.v[15][2]), "+f"(d.v[15][3]),
+        "+f"(d.v[16][0]), "+f"(d.v[16][1]), "+f"(d.v[16][2]), "+f"(d.v[16][3]),
+        "+f"(d.v[17][0]), "+f"(d.v[17][1]), "+f"(d.v[17][2]), "+f"(d.v[17][3]),
+        "+f"(d.v[18][0]), "+f"(d.v[18][1]), "+f"(d.v[18][2]), "+f"(d.v[18][3]),
+        "+f"(d.v[19][0]), "+f"(d.v[19][1]), "+f"(d.v[19][2]), "+f"(d.v[19][3]),
+        "+f"(d.v[20][0]), "+f"(d.v[20][1]), "+f"(d.v[20][2]), "+f"(d.v[20][3]),
+        "+f"(d.v[21][0]), "+f"(d.v[21][1]), "+f"(d.v[21][2]), "+f"(d.v[21][3]),
+        "+f"(d.v[22][0]), "+f"(d.v[22][1]), "+f"(d.v[22][2]), "+f"(d.v[22][3]),
+        "+f"(d.v[23][0]), "+f"(d.v[23][1]), "+f"(d.v[23][2]), "+f"(d.v[23][3]),
+        "+f"(d.v[24][0]), "+f"(d.v[24][1]), "+f"(d.v[24][2]), "+f"(d.v[24][3]),
+        "+f"(d.v[25][0]), "+f"(d.v[25][1]), "+f"(d.v[25][2]), "+f"(d.v[25][3]),
+        "+f"(d.v[26][0]), "+f"(d.v[26][1]), "+f"(d.v[26][2]), "+f"(d.v[26][3]),
+        "+f"(d.v[27][0]), "+f"(d.v[27][1]), "+f"(d.v[27][2]), "+f"(d.v[27][3]),
+        "+f"(d.v[28][0]), "+f"(d.v[28][1]), "+f"(d.v[28][2]), "+f"(d.v[28][3]),
+        "+f"(d.v[29][0]), "+f"(d.v[29][1]), "+f"(d.v[29][2]), "+f"(d.v[29][3]),
+        "+f"(d.v[30][0]), "+f"(d.v[30][1]), "+f"(d.v[30][2]), "+f"(d.v[30][3]),
+        "+f"(d.v[31][0]), "+f"(d.v[31][1]), "+f"(d.v[31][2]), "+f"(d.v[31][3])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
 
 template <>
-__device__ __forceinline__ void wgmma_m64n128k16<__half>(TileAcc<16>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+__device__ __forceinline__ void wgmma_m64n256k16<__half>(TileAcc<32>& d, uint64_t desc_a, uint64_t desc_b,
+                                                         int scale_d) {
 #if NITROBREW_SM90A_DEVICE
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
       :
         "+f"(d.v[0][0]), "+f"(d.v[0][1]), "+f"(d.v[0][2]), "+f"(d.v[0][3]),
         "+f"(d.v[1][0]), "+f"(d.v[1][1]), "+f"(d.v[1][2]), "+f"(d.v[1][3]),
@@ -179,10 +211,50 @@ __device__ __forceinline__ void wgmma_m64n128k16<__half>(TileAcc<16>& d, uint64_
         "+f"(d.v[12][0]), "+f"(d.v[12][1]), "+f"(d.v[12][2]), "+f"(d.v[12][3]),
         "+f"(d.v[13][0]), "+f"(d.v[13][1]), "+f"(d.v[13][2]), "+f"(d.v[13][3]),
         "+f"(d.v[14][0]), "+f"(d.v[14][1]), "+f"(d.v[14][2]), "+f"(d.v[14][3]),
-        "+f"(d.v[15][0]), "+f"(d.v[15][1]), "+f"(d.v[15][2]), "+f"(d.v[15][3])
+        "+f"(d.v[15][0]), "+f"(d.v[15][1]), "+f"(d.v[15][2]), "+f"(d.v[15][3]),
+        "+f"(d.v[16][0]), "+f"(d.v[16][1]), "+f"(d.v[16][2]), "+f"(d.v[16][3]),
+        "+f"(d.v[17][0]), "+f"(d.v[17][1]), "+f"(d.v[17][2]), "+f"(d.v[17][3]),
+        "+f"(d.v[18][0]), "+f"(d.v[18][1]), "+f"(d.v[18][2]), "+f"(d.v[18][3]),
+        "+f"(d.v[19][0]), "+f"(d.v[19][1]), "+f"(d.v[19][2]), "+f"(d.v[19][3]),
+        "+f"(d.v[20][0]), "+f"(d.v[20][1]), "+f"(d.v[20][2]), "+f"(d.v[20][3]),
+        "+f"(d.v[21][0]), "+f"(d.v[21][1]), "+f"(d.v[21][2]), "+f"(d.v[21][3]),
+        "+f"(d.v[22][0]), "+f"(d.v[22][1]), "+f"(d.v[22][2]), "+f"(d.v[22][3]),
+        "+f"(d.v[23][0]), "+f"(d.v[23][1]), "+f"(d.v[23][2]), "+f"(d.v[23][3]),
+        "+f"(d.v[24][0]), "+f"(d.v[24][1]), "+f"(d.v[24][2]), "+f"(d.v[24][3]),
+        "+f"(d.v[25][0]), "+f"(d.v[25][1]), "+f"(d.v[25][2]), "+f"(d.v[25][3]),
+        "+f"(d.v[26][0]), "+f"(d.v[26][1]), "+f"(d.v[26][2]), "+f"(d.v[26][3]),
+        "+f"(d.v[27][0]), "+f"(d.v[27][1]), "+f"(d.v[27][2]), "+f"(d.v[27][3]),
+        "+f"(d.v[28][0]), "+f"(d.v[28][1]), "+f"(d.v[28][2]), "+f"(d.v[28][3]),
+        "+f"(d.v[29][0]), "+f"(d.v[29][1]), "+f"(d.v[29][2]), "+f"(d.v[29][3]),
+        "+f"(d.v[30][0]), "+f"(d.v[30][1]), "+f"(d.v[30][2]), "+f"(d.v[30][3]),
+        "+f"(d.v[31][0]), "+f"(d.v[31][1]), "+f"(d.v[31][2]), "+f"(d.v[31][3])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
+
+// A consumer thread's fragment of the student's logit tile, parked in shared memory while the
+// teacher's tile occupies the registers: entry (j, k) of thread t at park[(4j + k) * 256 + t]
+// (a warp touches 32 consecutive words: no bank conflicts). Only the thread that parks an
+// entry reads it back, so no barrier is needed.
+struct ParkedTile {
+  static constexpr int kNTiles = 32;
+  static constexpr int kThreadsParked = 256;
+  float* base;  // park + consumer thread index
+  // A volatile load, so that the compiler reads each entry where the pass uses it rather than
+  // hoisting all 128 loads ahead of the fold (which needs 128 more registers and spilled).
+  __device__ __forceinline__ float at(int j, int k) const {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(smem_addr(base + (4 * j + k) * kThreadsParked)));
+    return v;
+  }
+  __device__ __forceinline__ void park(const TileAcc<32>& acc) const {
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) base[(4 * j + k) * kThreadsParked] = acc.v[j][k];
+    }
+  }
+};
 
 // Ring position shared by the producer and the consumers: both walk the same sequence of slabs.
 struct RingSlot {
@@ -196,6 +268,81 @@ struct RingSlot {
   }
 };
 
+// The producer: one thread that streams the block's slabs into the ring, in the order the
+// consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's.
+struct Loader {
+  const TensorMaps* maps;
+  uint8_t* smem;
+  uint64_t* full;
+  uint64_t* empty;
+  int32_t row0;
+  int64_t tile, last;
+  int k_slabs_s, k_slabs_t;
+  int teacher = 0, ks = 0;
+  RingSlot slot;
+
+  // Loads the next slab once its stage is free; nothing when all are loaded.
+  __device__ __forceinline__ void load_next() {
+    if (tile >= last) return;
+    mbar_wait(&empty[slot.stage], slot.phase ^ 1);
+    uint8_t* stage = smem + slot.stage * kStageBytes;
+    mbar_arrive_expect_tx(&full[slot.stage], kStageBytes);
+    const int32_t v0 = static_cast<int32_t>(tile * kCols);
+    tma_load(stage, teacher ? &maps->xt : &maps->xs, ks * kK, row0, &full[slot.stage]);
+    tma_load(stage + kXSlabBytes, teacher ? &maps->wt : &maps->ws, ks * kK, v0, &full[slot.stage]);
+    slot.advance();
+    if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
+      ks = 0;
+      teacher ^= 1;
+      if (!teacher) ++tile;
+    }
+  }
+};
+
+// A consumer's view of the stage ring: waits for slabs, multiplies them, releases them. The
+// thread that owns the loader refills each stage as soon as it is released.
+struct Ring {
+  uint8_t* smem;
+  uint64_t* full;
+  uint64_t* empty;
+  Loader* loader;  // non-null in the producing thread only
+  RingSlot slot;
+  int pending = -1;  // stage whose wgmma group may still be reading it
+
+  __device__ __forceinline__ void release(int stage, int lane) {
+    if (lane == 0) mbar_arrive(&empty[stage]);
+    if (loader != nullptr) loader->load_next();
+  }
+
+  // acc = this consumer's 64 rows x 256 of the tile over k_slabs slabs; all products are done
+  // (and every stage released) on return.
+  template <typename T>
+  __device__ __forceinline__ void multiply(TileAcc<32>& acc, int k_slabs, int consumer, int lane) {
+    for (int ks = 0; ks < k_slabs; ++ks) {
+      mbar_wait(&full[slot.stage], slot.phase);
+      const uint8_t* stage = smem + slot.stage * kStageBytes;
+      const uint64_t desc_x = smem_desc(stage + consumer * (kXSlabBytes / 2));
+      const uint64_t desc_w = smem_desc(stage + kXSlabBytes);
+      fence_acc(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < kK / 16; ++k16) {
+        wgmma_m64n256k16<T>(acc, desc_x + 2 * k16, desc_w + 2 * k16, ks > 0 || k16 > 0);
+      }
+      wgmma_commit();
+      fence_acc(acc);
+      wgmma_wait<1>();  // the previous slab's products are done: its stage can be refilled
+      if (pending >= 0) release(pending, lane);
+      pending = slot.stage;
+      slot.advance();
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    release(pending, lane);
+    pending = -1;
+  }
+};
+
 template <typename T, typename Pass>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_logit_kernel(const __grid_constant__ TensorMaps maps, FusedLinearArgs<T> a, BlockOrder order,
@@ -203,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if NITROBREW_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  float* park = reinterpret_cast<float*>(smem + kStages * kStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + kParkBytes);
   uint64_t* empty = full + kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -219,72 +367,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t row0 = row_block * kRows;
   const int64_t first = sched.begin(split), last = sched.end(split);
   const int k_slabs_s = static_cast<int>((a.d_s + kK - 1) / kK), k_slabs_t = static_cast<int>((a.d_t + kK - 1) / kK);
-  const int warpgroup = threadIdx.x / 128;
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
-  if (warpgroup == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) {
-      RingSlot slot;
-      auto stream = [&](const CUtensorMap* x, const CUtensorMap* w, int k_slabs, int32_t v0) {
-        for (int ks = 0; ks < k_slabs; ++ks) {
-          mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-          uint8_t* stage = smem + slot.stage * kStageBytes;
-          mbar_arrive_expect_tx(&full[slot.stage], kStageBytes);
-          tma_load(stage, x, ks * kK, static_cast<int32_t>(row0), &full[slot.stage]);
-          tma_load(stage + kSlabBytes, w, ks * kK, v0, &full[slot.stage]);
-          slot.advance();
-        }
-      };
-      for (int64_t tile = first; tile < last; ++tile) {
-        const int32_t v0 = static_cast<int32_t>(tile * kCols);
-        stream(&maps.xs, &maps.ws, k_slabs_s, v0);
-        stream(&maps.xt, &maps.wt, k_slabs_t, v0);
-      }
-    }
-  } else {  // consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
-    Pass pass(a, rows, params);
-    RingSlot slot;
-    int pending = -1;  // stage whose wgmma group may still be reading it
-    auto release = [&](int stage) {
-      if (lane == 0) mbar_arrive(&empty[stage]);
-    };
-    auto multiply = [&](TileAcc<16>& acc, int k_slabs) {
-      for (int ks = 0; ks < k_slabs; ++ks) {
-        mbar_wait(&full[slot.stage], slot.phase);
-        const uint8_t* stage = smem + slot.stage * kStageBytes;
-        const uint64_t desc_x = smem_desc(stage + consumer * (kSlabBytes / 2));
-        const uint64_t desc_w = smem_desc(stage + kSlabBytes);
-        fence_acc(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int k16 = 0; k16 < kK / 16; ++k16) {
-          wgmma_m64n128k16<T>(acc, desc_x + 2 * k16, desc_w + 2 * k16, ks > 0 || k16 > 0);
-        }
-        wgmma_commit();
-        fence_acc(acc);
-        wgmma_wait<1>();  // the previous slab's products are done: its stage can be refilled
-        if (pending >= 0) release(pending);
-        pending = slot.stage;
-        slot.advance();
-      }
-    };
-    TileAcc<16> zs, zt;
-    for (int64_t tile = first; tile < last; ++tile) {
-      multiply(zs, k_slabs_s);
-      multiply(zt, k_slabs_t);
-      wgmma_wait<0>();
-      fence_acc(zs);
-      fence_acc(zt);
-      release(pending);
-      pending = -1;
-      apply_softcaps(zs, zt, a.softcap_s, a.softcap_t);
-      pass.tile(a, rows, tile * kCols, zs, zt);
-    }
-    pass.finish(a, rows, split);
+  Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) loader.load_next();  // fill the ring
   }
+  const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
+  const ParkedTile zs_parked{park + threadIdx.x};
+  Pass pass(a, rows, params);
+  Ring ring{smem, full, empty, threadIdx.x == 0 ? &loader : nullptr};
+  // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
+  // made the compiler keep both live, 256 registers, and spill.)
+  TileAcc<32> z;
+  for (int64_t tile = first; tile < last; ++tile) {
+    ring.multiply<T>(z, k_slabs_s, consumer, lane);
+    apply_softcap(z, a.softcap_s);
+    zs_parked.park(z);
+    ring.multiply<T>(z, k_slabs_t, consumer, lane);
+    apply_softcap(z, a.softcap_t);
+    pass.tile(a, rows, tile * kCols, zs_parked, z);
+  }
+  pass.finish(a, rows, split);
 #endif
 }
 

@@ -104,16 +104,16 @@ decltype(PFN_cuTensorMapEncodeTiled_v12000{}) tensor_map_encoder() {
 }
 
 // TMA descriptor of the first `rows` rows of a row-major [rows x D] 16-bit matrix, in boxes of
-// 128 rows x 64 columns with the 128-byte swizzle that wgmma reads; out-of-range reads are 0.
-CUtensorMap tensor_map(const at::Tensor& t, int64_t rows) {
+// box_rows x kK with the 64-byte swizzle that wgmma reads; out-of-range reads are 0.
+CUtensorMap tensor_map(const at::Tensor& t, int64_t rows, int box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.stride(0) * t.element_size())};
-  const cuuint32_t box[2] = {hopper::kK, hopper::kRows};
+  const cuuint32_t box[2] = {hopper::kK, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = tensor_map_encoder()(
       &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-      t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "nitrobrew: cuTensorMapEncodeTiled failed (", int(result), ")");
   return map;
@@ -131,8 +131,9 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (path == KernelPath::kWgmma) {
     if constexpr (sizeof(T) == 2) {
-      const hopper::TensorMaps maps{tensor_map(xs, a.n_rows), tensor_map(xt, a.n_rows),
-                                    tensor_map(ws, a.vocab_size), tensor_map(wt, a.vocab_size)};
+      const hopper::TensorMaps maps{
+          tensor_map(xs, a.n_rows, hopper::kRows), tensor_map(xt, a.n_rows, hopper::kRows),
+          tensor_map(ws, a.vocab_size, hopper::kCols), tensor_map(wt, a.vocab_size, hopper::kCols)};
       const int64_t row_blocks = (a.n_rows + hopper::kRows - 1) / hopper::kRows;
       const int64_t blocks = row_blocks * plan.splits;
       TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many blocks for one launch");
@@ -210,7 +211,9 @@ void LogitTilePasses::mixture_pass(const at::Tensor& row_stats, at::Tensor& part
 void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols,
                                 at::Tensor& grad_chunk) const {
   TORCH_CHECK(grad_chunk.stride(1) == 1 && grad_chunk.size(1) >= chunk_cols && grad_chunk.size(0) == p_.num_rows);
-  TORCH_CHECK(chunk_begin % kGradChunkAlign == 0, "nitrobrew: misaligned backward chunk");
+  TORCH_CHECK(chunk_begin % kGradChunkAlign == 0 && grad_chunk.stride(0) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(grad_chunk.data_ptr()) % 8 == 0,
+              "nitrobrew: misaligned backward chunk");  // GradPass stores entry pairs
   if (p_.num_rows == 0 || chunk_cols == 0) return;
   const LaunchPlan plan =
       plan_for(path_, p_.num_rows, chunk_begin / tile_cols_, (chunk_begin + chunk_cols + tile_cols_ - 1) / tile_cols_);

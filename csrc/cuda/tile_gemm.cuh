@@ -48,6 +48,7 @@ template <int kN>
 struct TileAcc {
   static constexpr int kNTiles = kN;
   float v[kN][4];
+  __device__ __forceinline__ float at(int j, int k) const { return v[j][k]; }
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int j = 0; j < kN; ++j) v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
