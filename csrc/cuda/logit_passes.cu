@@ -160,6 +160,7 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
 // Splits tiles [first, end) for `rows` rows the way the path's blocks want them.
 LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end) {
   const int64_t tiles = std::max<int64_t>(end - first, 1);
+  rows = std::max<int64_t>(rows, 1);  // an empty batch launches nothing, but is planned
   const int64_t per = path == KernelPath::kWgmma
                           ? wgmma_tiles_per_split((rows + hopper::kRows - 1) / hopper::kRows, tiles)
                           : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
