@@ -47,7 +47,7 @@ class LogitTilePasses {
 
 // Vocabulary chunks of the backward start at multiples of this (a whole number of tiles of
 // either kernel family).
-constexpr int64_t kGradChunkAlign = 256;
+constexpr int64_t kGradChunkAlign = 768;
 
 // Rows must be unit-stride for the tile loads; anything else is copied once (O(rows x D)).
 inline at::Tensor unit_stride_rows(const at::Tensor& t) {
