@@ -69,21 +69,16 @@ int64_t mma_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
 }
 
 // wgmma path: one block per SM, so the split count is picked to balance the waves: it
-// minimizes (waves of blocks) x (tiles per block + a block's small fixed cost). With more row
-// blocks than a group (BlockOrder), it also keeps at least SMs / group splits, so that the
-// blocks running together share a group's rows of X rather than each streaming its own: the
-// backward's chunks of ~48 tiles would otherwise run as 2 splits of every row block at once.
-// (Measured at N = 8192: the backward's gradient passes take 76 ms either way, so X traffic
-// is not what makes them slower than the forward pass; kept for larger hidden sizes.)
+// minimizes (waves of blocks) x (tiles per block + a block's small fixed cost). (Forcing at
+// least SMs / group splits, so that the blocks running together share a group's rows of X
+// in L2, made no difference to the backward at N = 8192 and costs balance at small N.)
 int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles) {
   const int64_t sms = multiprocessor_count();
-  const int64_t min_splits = row_blocks > kGroupRowBlocks ? (sms + kGroupRowBlocks - 1) / kGroupRowBlocks : 1;
   int64_t best = vocab_tiles;
   double best_cost = 1e300;
   for (int64_t per = 1; per <= vocab_tiles; ++per) {
     const int64_t splits = (vocab_tiles + per - 1) / per;
     if (per > 1 && (vocab_tiles + per - 2) / (per - 1) == splits) continue;  // same split count, more tiles
-    if (per > 1 && splits < min_splits) break;  // fewer splits still as per grows
     const int64_t waves = (row_blocks * splits + sms - 1) / sms;
     const double cost = double(waves) * (double(per) + 0.05);
     if (cost < best_cost) {
