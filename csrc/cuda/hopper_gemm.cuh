@@ -1,5 +1,4 @@
-// The sm_90a tile GEMM of the CUDA fused-linear kernels: TMA-fed wgmma with warp
-// specialization. Compiled for every architecture the package ships, but the kernel body
+// The sm_90a tile GEMM of the CUDA fused-linear kernels: TMA-fed wgmma. Compiled for every architecture the package ships, but the kernel body
 // exists only in the sm_90a pass (elsewhere it is empty and never launched: the host picks
 // this path only where the loaded binary is sm_90a, see logit_passes.cu).
 //
@@ -13,11 +12,10 @@
 //     it then parks in shared memory (ParkedTile), then the teacher tile in the same
 //     registers; the pass (fused_linear_passes.cuh) reads both while the producer already
 //     streams the next tile's slabs.
-// Why 256 wide: the two logit tiles must both exist when a tile is folded, and registers hold
-// only 128 x 128 of each; a 128 x 128 tile draws 1 byte from L2 per 64 FLOP and ran at ~40% of
-// the tensor cores' peak (TMA multicast within clusters, halving L2 reads, did not help: the
-// delivery into each SM bounds it). Parking the student tile (128 KB) allows 128 x 256,
-// 1 byte per 85 FLOP, the ratio cuBLAS runs at.
+// Why park: the two logit tiles must both exist when a tile is folded, and registers hold only
+// 128 x 128 of each. Parking the student tile (128 KB) allows 128 x 256 tiles, which ran 5%
+// faster than 128 x 128 ones with both tiles in registers. Either way the tensor cores are busy
+// only ~45% of the time; benchmarks/NOTES.md has the measurements and the variants tried.
 // A wgmma accumulator of 64 x 256 has, per warp, the register layout of 32 mma.m16n8 tiles
 // (tile_gemm.cuh), so the passes serve both paths unchanged.
 #pragma once
