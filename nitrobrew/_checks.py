@@ -29,8 +29,14 @@ def _real(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt))
 
 
+def _finite(value) -> bool:
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float option
+    # can arrive as a symbolic float, which comparisons guard on and math.isfinite cannot trace.
+    return value == value and value != math.inf and value != -math.inf
+
+
 def positive_number(value, name: str) -> float:
-    if not _real(value) or not math.isfinite(float(value)) or value <= 0:
+    if not _real(value) or not _finite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -40,7 +46,7 @@ def optional_positive_number(value, name: str) -> float | None:
 
 
 def non_negative_number(value, name: str) -> float:
-    if not _real(value) or not math.isfinite(float(value)) or value < 0:
+    if not _real(value) or not _finite(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
     return float(value)
 

@@ -56,6 +56,18 @@ def test_gradcheck_float64(beta, ce_weight, softcaps, vocab_size):
     torch.autograd.gradcheck(loss, (xs.requires_grad_(), ws.requires_grad_()))
 
 
+def test_torch_compile_dynamic_with_default_options(device):
+    # Default float options (temperature=1.0, ...) once reached the argument checks as symbolic
+    # floats under dynamic=True, and math.isfinite broke the graph.
+    xs, xt, ws, wt, labels = make_problem(n=33, v=300, device=device, masked=True)
+
+    def step(xs, ws):
+        return nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(xs, ws), step(xs, ws))
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
 def test_torch_compile_fullgraph_with_backward(device, beta, dynamic):
