@@ -47,6 +47,10 @@ def gencode_flags(archs: str | None = None) -> list[str]:
         if not arch:
             continue
         number = arch.replace(".", "")
+        if number == "90":
+            # The Hopper kernels exist only in an sm_90a build; a plain sm_90 cubin would load on
+            # an H100 with their bodies compiled out, and the host could not tell.
+            raise ValueError("NITROBREW_CUDA_ARCHS: build Hopper as 9.0a, not 9.0 (the wgmma/TMA kernels need sm_90a)")
         flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
     if not flags:
         raise ValueError(f"NITROBREW_CUDA_ARCHS names no architecture: {archs!r}")

@@ -33,7 +33,8 @@ bool tma_addressable(const at::Tensor& t) {
 }
 
 // Whether the sm_90a build of the kernels is the one loaded on the current device: true on
-// Hopper when the package was built for 9.0a (an sm_80-only build runs its sm_80 code there).
+// Hopper when the package was built for 9.0a. (_build.py refuses a plain 9.0 build, whose
+// cubin would report the same binary version with the kernel bodies compiled out.)
 bool sm90a_kernels_loaded() {
   static std::mutex mutex;
   static std::unordered_map<int, bool> loaded;
