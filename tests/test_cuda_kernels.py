@@ -62,8 +62,8 @@ def test_kernel_family_selection(kernel_family, d_s):
     list(itertools.product(BETAS, [False, True], [0.0, 0.5], [False, True], [False, True])),
 )
 def test_tensor_core_kernels_every_option(kernel_family, dtype, beta, masked, ce_weight, softcap, padded):
-    # 300 rows = 2 x 128 + 44; V = 1000 = 7 x 128 + 104; K = 200 and 136: 4 and 3 slabs of 64,
-    # the last partial.
+    # 300 rows = 2 x 128 + 44 (4 x 64 + 44); V = 1000 = 3 x 256 + 232 (15 x 64 + 40);
+    # K = 200 and 136: 7 and 5 slabs of 32 (4 and 3 of 64), the last partial.
     rows = 1030 if padded else None
     xs, xt, ws, wt, labels = make_problem(n=300, v=1000, d_s=200, d_t=136, dtype=dtype, device="cuda",
                                           masked=masked, rows_s=rows, rows_t=rows)
@@ -89,10 +89,20 @@ def test_tensor_core_kernels_temperatures_and_large_logits(kernel_family, temper
     check_against_reference(xs, xt, ws, wt, beta=0.0, temperature=temperature, labels=labels, reduction="sum")
 
 
+@pytest.mark.parametrize("beta", BETAS)
+def test_tensor_core_kernels_several_tiles_per_block(kernel_family, beta):
+    # One row block and ~200 vocabulary tiles: more tiles than SMs, so each block walks several
+    # (the ring, the parked student tile and the per-row state carry across tiles).
+    xs, xt, ws, wt, labels = make_problem(n=100, v=51237, d_s=40, d_t=24, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.2, reduction="none")
+
+
 def test_tensor_core_kernels_non_contiguous_rows(kernel_family):
-    # Row strides larger than the row (slices of wider matrices) stay on the fast path when aligned.
+    # Row strides larger than the row (slices of wider matrices) stay on the fast path when aligned;
+    # the padding is NaN, so reading it (a wrong stride or extent) would show.
     xs, xt, ws, wt, labels = make_problem(n=130, v=400, d_s=80, d_t=96, dtype=torch.bfloat16, device="cuda")
-    wide = lambda t: torch.cat([t, torch.zeros_like(t[:, :16])], dim=1)[:, : t.shape[1]]
+    wide = lambda t: torch.cat([t, torch.full_like(t[:, :16], float("nan"))], dim=1)[:, : t.shape[1]]
     xs, ws = wide(xs), wide(ws)
     assert not xs.is_contiguous() and not ws.is_contiguous()
     check_against_reference(xs, xt, ws, wt, beta=1.0, reduction="mean")
