@@ -27,4 +27,19 @@ TORCH_LIBRARY(nitrobrew, m) {
       "Tensor? labels, Tensor row_stats, int ignore_index, "
       "float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
       "int vocab_size, int chunk_v, bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
+
+  // Attention-distribution KL, forward. Layout [B, N, H, D]; scores scale * q.k / temperature
+  // per model, keys hidden by key_mask ([B, N_k] bool, true = attended) or by the
+  // bottom-right causal mask excluded. reverse: KL(student || teacher), else KL(teacher ||
+  // student), per query row. Returns (loss [B, H, N_q], row_stats [B, H, N_q, 5]) in float32
+  // (float64 for float64 inputs); rows that see no key get zeros.
+  m.def(
+      "attention_kl_fwd(Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, bool reverse, "
+      "bool causal, float scale_s, float scale_t, float temperature) -> (Tensor, Tensor)");
+  // Recompute backward: given the per-row upstream gradient [B, H, N_q] and the forward's
+  // row statistics, returns (dq_s, dk_s).
+  m.def(
+      "attention_kl_bwd(Tensor grad_loss, Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, "
+      "Tensor row_stats, bool reverse, bool causal, float scale_s, float scale_t, float temperature) "
+      "-> (Tensor, Tensor)");
 }

@@ -53,12 +53,12 @@ def load_extension() -> None:
         raise ImportError(f"{_BUILD_HINT}\n(import error: {error})") from error
 
 
-def kernel_device_types() -> frozenset:
-    """The device types ("cpu", "cuda") this build registered kernels for."""
+def kernel_device_types(op: str = "fused_linear_distill_fwd") -> frozenset:
+    """The device types ("cpu", "cuda") this build registered kernels of nitrobrew::op for."""
     import torch
 
     return frozenset(
         device
         for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-        if torch._C._dispatch_has_kernel_for_dispatch_key("nitrobrew::fused_linear_distill_fwd", key)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"nitrobrew::{op}", key)
     )

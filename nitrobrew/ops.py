@@ -76,6 +76,51 @@ def _backward(ctx, grad_loss, _grad_row_stats):
 torch.library.register_autograd("nitrobrew::fused_linear_distill_fwd", _backward, setup_context=_setup_context)
 
 
+NUM_ATTENTION_ROW_STATS = 5  # kNumAttentionRowStats in csrc/attention_kl_params.h
+
+
+@torch.library.register_fake("nitrobrew::attention_kl_fwd")
+def _attention_kl_fwd_fake(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_s, scale_t, temperature):
+    torch._check(q_s.dim() == 4 and k_s.dim() == 4 and q_t.dim() == 4 and k_t.dim() == 4,
+                 lambda: "attention_kl: inputs must be [B, N, H, D]")
+    b, n_q, h, _ = q_s.shape
+    dtype = _stats_dtype(q_s.dtype)
+    return (q_s.new_empty((b, h, n_q), dtype=dtype),
+            q_s.new_empty((b, h, n_q, NUM_ATTENTION_ROW_STATS), dtype=dtype))
+
+
+@torch.library.register_fake("nitrobrew::attention_kl_bwd")
+def _attention_kl_bwd_fake(grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats, reverse, causal, scale_s, scale_t,
+                           temperature):
+    return torch.empty_like(q_s, memory_format=torch.contiguous_format), torch.empty_like(
+        k_s, memory_format=torch.contiguous_format)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q_s, k_s, q_t, k_t, key_mask, *options = inputs
+    _, row_stats = output
+    ctx.save_for_backward(q_s, k_s, q_t, k_t, key_mask, row_stats)
+    ctx.options = options  # reverse, causal, scale_s, scale_t, temperature
+    ctx.mark_non_differentiable(row_stats)
+
+
+def _attention_backward(ctx, grad_loss, _grad_row_stats):
+    if torch.is_grad_enabled():
+        raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
+                           "(create_graph=True) is not implemented")
+    q_s, k_s, q_t, k_t, key_mask, row_stats = ctx.saved_tensors
+    need_dq, need_dk = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dq or need_dk):
+        return (None,) * 10
+    dq, dk = _ops.attention_kl_bwd(grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats, *ctx.options)
+    # The teacher's q_t, k_t, the mask and the options receive no gradient.
+    return (dq if need_dq else None, dk if need_dk else None) + (None,) * 8
+
+
+torch.library.register_autograd("nitrobrew::attention_kl_fwd", _attention_backward,
+                                setup_context=_attention_setup_context)
+
+
 def fused_linear_distill(
     xs: Tensor,
     xt: Tensor,

@@ -66,3 +66,67 @@ def fused_linear_distill(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / mask.sum().clamp(min=1)
+
+
+def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,
+                 device=None) -> Tensor:
+    """[B, N_q, N_k] bool: which keys each query row sees (bottom-right causal alignment, as
+    FlashAttention: query i sees keys j <= i + N_k - N_q; attention_mask True = attended)."""
+    visible = torch.ones(batch, n_queries, n_keys, dtype=torch.bool, device=device)
+    if causal:
+        i = torch.arange(n_queries, device=device)[:, None]
+        j = torch.arange(n_keys, device=device)[None, :]
+        visible = visible & (j <= i + n_keys - n_queries)
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, :].to(device)
+    return visible
+
+
+def attention_kl(
+    q_s: Tensor,
+    k_s: Tensor,
+    q_t: Tensor,
+    k_t: Tensor,
+    *,
+    kind: str = "forward",
+    causal: bool = False,
+    scale_s: float | None = None,
+    scale_t: float | None = None,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    attention_mask: Tensor | None = None,
+    dtype: torch.dtype | None = torch.float64,
+) -> Tensor:
+    """What nitrobrew.attention_kl computes, with the [B, H, N_q, N_k] scores materialized in
+    `dtype` (None: the inputs' dtype). Layout [B, N, H, D]; GQA key heads are repeated."""
+    if dtype is not None:
+        q_s, k_s, q_t, k_t = (t.to(dtype) for t in (q_s, k_s, q_t, k_t))
+    b, n_q, h, d_s = q_s.shape
+    n_k, d_t = k_s.shape[1], q_t.shape[-1]
+    scale_s = d_s ** -0.5 if scale_s is None else scale_s
+    scale_t = d_t ** -0.5 if scale_t is None else scale_t
+
+    def scores(q, k, scale):
+        k = k.repeat_interleave(h // k.shape[2], dim=2)
+        return torch.einsum("bqhd,bkhd->bhqk", q, k) * scale / temperature
+
+    visible = visible_keys(b, n_q, n_k, causal=causal, attention_mask=attention_mask, device=q_s.device)[:, None]
+    row_visible = visible.any(-1)  # [B, 1, N_q]
+    neg_inf = torch.tensor(float("-inf"), dtype=q_s.dtype, device=q_s.device)
+    s = torch.where(visible, scores(q_s, k_s, scale_s), neg_inf)
+    t = torch.where(visible, scores(q_t, k_t, scale_t), neg_inf)
+    # Rows that see no key: any finite logits, their loss is zeroed below (no NaN reaches autograd).
+    s = torch.where(row_visible[..., None], s, torch.zeros_like(s))
+    t = torch.where(row_visible[..., None], t, torch.zeros_like(t))
+    log_p, log_q = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
+    w_log, o_log = (log_q, log_p) if kind == "forward" else (log_p, log_q)
+    # Hidden keys have log-probability -inf: zero them before the product (0 log 0 = 0), so
+    # that neither the value nor autograd ever meets -inf - -inf.
+    w_log, o_log = (torch.where(visible, x, torch.zeros_like(x)) for x in (w_log, o_log))
+    terms = torch.where(visible, w_log.exp() * (w_log - o_log), torch.zeros_like(s))
+    loss = torch.where(row_visible, terms.sum(-1), torch.zeros_like(terms[..., 0]))  # [B, H, N_q]
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (row_visible.sum() * h).clamp(min=1)
