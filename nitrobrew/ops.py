@@ -50,18 +50,28 @@ def _fused_linear_distill_bwd_fake(
     return dxs, dws
 
 
-def _setup_context(ctx, inputs, output):
-    xs, xt, ws, wt, labels, *options = inputs
+def _save_for_recompute(ctx, inputs, output, n_tensors):
+    """setup_context of the forward ops: saves the first n_tensors inputs and the row statistics
+    (the backward recomputes from them); the remaining inputs are plain options."""
     _, row_stats = output
-    ctx.save_for_backward(xs, xt, ws, wt, labels, row_stats)
-    ctx.options = options  # ignore_index, beta, temperature, ce_weight, softcaps, vocab_size, chunk_v
+    ctx.save_for_backward(*inputs[:n_tensors], row_stats)
+    ctx.options = inputs[n_tensors:]
     ctx.mark_non_differentiable(row_stats)
 
 
-def _backward(ctx, grad_loss, _grad_row_stats):
+def _forbid_double_backward():
     if torch.is_grad_enabled():
         raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
                            "(create_graph=True) is not implemented")
+
+
+def _setup_context(ctx, inputs, output):
+    # Options: ignore_index, beta, temperature, ce_weight, softcaps, vocab_size, chunk_v.
+    _save_for_recompute(ctx, inputs, output, n_tensors=5)  # xs, xt, ws, wt, labels
+
+
+def _backward(ctx, grad_loss, _grad_row_stats):
+    _forbid_double_backward()
     xs, xt, ws, wt, labels, row_stats = ctx.saved_tensors
     need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_dxs or need_dws):
@@ -97,17 +107,12 @@ def _attention_kl_bwd_fake(grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats, r
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q_s, k_s, q_t, k_t, key_mask, *options = inputs
-    _, row_stats = output
-    ctx.save_for_backward(q_s, k_s, q_t, k_t, key_mask, row_stats)
-    ctx.options = options  # reverse, causal, scale_s, scale_t, temperature
-    ctx.mark_non_differentiable(row_stats)
+    # Options: reverse, causal, scale_s, scale_t, temperature.
+    _save_for_recompute(ctx, inputs, output, n_tensors=5)  # q_s, k_s, q_t, k_t, key_mask
 
 
 def _attention_backward(ctx, grad_loss, _grad_row_stats):
-    if torch.is_grad_enabled():
-        raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
-                           "(create_graph=True) is not implemented")
+    _forbid_double_backward()
     q_s, k_s, q_t, k_t, key_mask, row_stats = ctx.saved_tensors
     need_dq, need_dk = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dq or need_dk):
