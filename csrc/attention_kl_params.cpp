@@ -44,8 +44,7 @@ AttentionKLParams make_attention_kl_params(const at::Tensor& q_s, const at::Tens
               p.heads, ") must be a multiple of its key heads (", p.key_heads_s, ")");
   TORCH_CHECK(p.key_heads_t > 0 && p.heads % p.key_heads_t == 0, "attention_kl: the teacher's query heads (",
               p.heads, ") must be a multiple of its key heads (", p.key_heads_t, ")");
-  p.has_key_mask = key_mask.has_value();
-  if (p.has_key_mask) {
+  if (key_mask.has_value()) {
     TORCH_CHECK(key_mask->scalar_type() == at::kBool, "attention_kl: attention_mask must be bool, got ",
                 key_mask->scalar_type());
     TORCH_CHECK(key_mask->dim() == 2 && key_mask->size(0) == p.batch && key_mask->size(1) == p.n_keys,

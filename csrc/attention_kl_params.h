@@ -20,7 +20,6 @@ struct AttentionKLParams {
   double scale_s, scale_t;  // score scales; scores are scale * q.k / temperature
   double inv_temperature;
   int64_t batch, n_queries, n_keys, heads, key_heads_s, key_heads_t, dim_s, dim_t;
-  bool has_key_mask;
 
   // The last key query row i may see (inclusive), before the key mask.
   int64_t last_key(int64_t i) const { return causal ? i + n_keys - n_queries : n_keys - 1; }
