@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <unordered_map>
 
 #include "hopper_gemm.cuh"
@@ -171,6 +173,23 @@ LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end) {
 }
 
 }  // namespace
+
+int experiment_flags() {
+  const char* value = std::getenv("NITROBREW_EXPERIMENT");
+  std::istringstream names(value != nullptr ? value : "");
+  int flags = 0;
+  for (std::string name; std::getline(names, name, ',');) {
+    if (name == "stream_dz") {
+      flags |= kExperimentStreamDz;
+    } else if (name == "l2_hints") {
+      flags |= kExperimentL2Hints;
+    } else {  // a typo would silently time the default kernels
+      TORCH_CHECK(name.empty(), "nitrobrew: unknown NITROBREW_EXPERIMENT flag '", name,
+                  "' (known: stream_dz, l2_hints)");
+    }
+  }
+  return flags;
+}
 
 LogitTilePasses::LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                  const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
