@@ -35,11 +35,13 @@ TORCH_LIBRARY(nitrobrew, m) {
   // (float64 for float64 inputs); rows that see no key get zeros.
   m.def(
       "attention_kl_fwd(Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, bool reverse, "
-      "bool causal, float scale_s, float scale_t, float temperature) -> (Tensor, Tensor)");
+      "bool causal, float scale_s, float scale_t, float temperature, bool deterministic) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient [B, H, N_q] and the forward's
-  // row statistics, returns (dq_s, dk_s).
+  // row statistics, returns (dq_s, dk_s). deterministic: no floating-point atomics (the CUDA
+  // kernels then recompute the scores once more; the forward ignores it, autograd passes it on).
   m.def(
       "attention_kl_bwd(Tensor grad_loss, Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, "
-      "Tensor row_stats, bool reverse, bool causal, float scale_s, float scale_t, float temperature) "
+      "Tensor row_stats, bool reverse, bool causal, float scale_s, float scale_t, float temperature, "
+      "bool deterministic) "
       "-> (Tensor, Tensor)");
 }

@@ -3,7 +3,8 @@ teacher, computed per query row without materializing the [queries x keys] matri
 
     loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=True)
 
-Kernels: CPU (C++) so far; the CUDA kernels are being built (issue 4).
+Kernels: CPU (C++, any float dtype) and CUDA (bfloat16 / float16 on tensor cores, sm_80 and newer;
+head dims up to 256).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def attention_kl(
         reduction: "none" -> [B, H, N_q]; "sum"; "mean" over the rows that see at least one key.
             Rows that see no key give 0 and zero gradient.
         attention_mask: [B, N_k] bool, True = the key is attended (Hugging Face's convention).
-        deterministic: accepted for the CUDA kernels' atomics; the CPU kernel is always
-            deterministic.
+        deterministic: CUDA: accumulate dq without floating-point atomics, so gradients are
+            bitwise reproducible (it recomputes the scores once more). The CPU kernel always is.
     """
     for name, value in (("q_s", q_s), ("k_s", k_s), ("q_t", q_t), ("k_t", k_t)):
         _checks.tensor(value, name)
@@ -88,13 +89,16 @@ def attention_kl(
             raise TypeError(f"attention_mask must be a bool tensor (True = attended), got {attention_mask.dtype}")
     if q_s.device.type not in _KERNEL_DEVICE_TYPES:
         raise NotImplementedError(
-            f"nitrobrew.attention_kl has no {q_s.device.type} kernels yet (CPU only for now); move the "
-            f"tensors to the CPU or use nitrobrew.reference.attention_kl, which materializes the scores"
+            f"nitrobrew.attention_kl has no {q_s.device.type} kernels; move the tensors to the CPU or use "
+            f"nitrobrew.reference.attention_kl, which materializes the scores"
         )
+    if q_s.device.type == "cuda" and q_s.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"nitrobrew.attention_kl's CUDA kernels take bfloat16 or float16 inputs (tensor cores, as "
+                        f"FlashAttention), got {q_s.dtype}; cast q and k, e.g. q.to(torch.bfloat16)")
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         q_t, k_t = (t.clone() if t.is_inference() else t for t in (q_t, k_t))
     loss, _ = _ops.attention_kl_fwd(q_s, k_s, q_t, k_t, attention_mask, kind == "reverse", causal, scale_s, scale_t,
-                                    temperature)
+                                    temperature, deterministic)
     if reduction == "none":
         return loss
     if reduction == "sum":

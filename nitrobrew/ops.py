@@ -90,7 +90,8 @@ NUM_ATTENTION_ROW_STATS = 5  # kNumAttentionRowStats in csrc/attention_kl_params
 
 
 @torch.library.register_fake("nitrobrew::attention_kl_fwd")
-def _attention_kl_fwd_fake(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_s, scale_t, temperature):
+def _attention_kl_fwd_fake(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_s, scale_t, temperature,
+                            deterministic):
     torch._check(q_s.dim() == 4 and k_s.dim() == 4 and q_t.dim() == 4 and k_t.dim() == 4,
                  lambda: "attention_kl: inputs must be [B, N, H, D]")
     b, n_q, h, _ = q_s.shape
@@ -101,13 +102,13 @@ def _attention_kl_fwd_fake(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_
 
 @torch.library.register_fake("nitrobrew::attention_kl_bwd")
 def _attention_kl_bwd_fake(grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats, reverse, causal, scale_s, scale_t,
-                           temperature):
+                           temperature, deterministic):
     return torch.empty_like(q_s, memory_format=torch.contiguous_format), torch.empty_like(
         k_s, memory_format=torch.contiguous_format)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    # Options: reverse, causal, scale_s, scale_t, temperature.
+    # Options: reverse, causal, scale_s, scale_t, temperature, deterministic.
     _save_for_recompute(ctx, inputs, output, n_tensors=5)  # q_s, k_s, q_t, k_t, key_mask
 
 
@@ -116,10 +117,10 @@ def _attention_backward(ctx, grad_loss, _grad_row_stats):
     q_s, k_s, q_t, k_t, key_mask, row_stats = ctx.saved_tensors
     need_dq, need_dk = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dq or need_dk):
-        return (None,) * 10
+        return (None,) * 11
     dq, dk = _ops.attention_kl_bwd(grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats, *ctx.options)
     # The teacher's q_t, k_t, the mask and the options receive no gradient.
-    return (dq if need_dq else None, dk if need_dk else None) + (None,) * 8
+    return (dq if need_dq else None, dk if need_dk else None) + (None,) * 9
 
 
 torch.library.register_autograd("nitrobrew::attention_kl_fwd", _attention_backward,

@@ -92,3 +92,60 @@ def check_against_reference(xs, xt, ws, wt, *, beta, upstream=None, k=2.0, rel_f
     for name, a, o, s in zip(("loss", "dxs", "dws"), ours, oracle, same):
         assert_close_to_oracle(a, o, s, k=k, rel_floor=rel_floor, what=name)
     return ours, oracle
+
+
+# ---------------------------------------------------------------- attention KL -----
+
+KINDS = ["forward", "reverse"]
+GQA = {"none": (1, 1), "student": (2, 1), "teacher": (1, 4), "both": (2, 4)}  # query heads per key head (s, t)
+
+
+def make_attention(b=2, n_q=37, n_k=45, heads=4, gqa="none", d_s=24, d_t=40, *, dtype=torch.float32, scale=1.0,
+                   masked=False, seed=0, device="cpu"):
+    """Student and teacher queries and keys [B, N, H, D] (scores ~ N(0, scale^2) at the default
+    scales) and, if masked, a [B, N_k] key mask with ~30% of the keys hidden."""
+    g = torch.Generator().manual_seed(seed)
+    h_ks, h_kt = (heads // group for group in GQA[gqa])
+    q_s = torch.randn(b, n_q, heads, d_s, generator=g, dtype=torch.float64) * scale
+    k_s = torch.randn(b, n_k, h_ks, d_s, generator=g, dtype=torch.float64)
+    q_t = torch.randn(b, n_q, heads, d_t, generator=g, dtype=torch.float64) * scale
+    k_t = torch.randn(b, n_k, h_kt, d_t, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, n_k, generator=g) > 0.3 if masked else None
+    mask = mask.to(device) if masked else None
+    return (*(t.to(dtype=dtype, device=device) for t in (q_s, k_s, q_t, k_t)), mask)
+
+
+def attention_values_and_grads(fn, q_s, k_s, q_t, k_t, upstream, **options):
+    q_s = q_s.detach().clone().requires_grad_()
+    k_s = k_s.detach().clone().requires_grad_()
+    loss = fn(q_s, k_s, q_t, k_t, **options)
+    dq, dk = torch.autograd.grad(loss, (q_s, k_s), upstream.to(loss.dtype))
+    return loss.detach(), dq, dk
+
+
+def check_attention(q_s, k_s, q_t, k_t, *, k=2.0, rel_floor=None, **options):
+    """nitrobrew.attention_kl vs the float64 oracle, within k x the error of the reference evaluated
+    in the precision the kernel accumulates in (float32 for 16- and 32-bit inputs)."""
+    reduction = options.get("reduction", "mean")
+    shape = (q_s.shape[0], q_s.shape[2], q_s.shape[1]) if reduction == "none" else ()
+    upstream = torch.randn(shape, dtype=torch.float64).to(q_s.device)
+    ours = attention_values_and_grads(nitrobrew.attention_kl, q_s, k_s, q_t, k_t, upstream, **options)
+    reference_options = {key: value for key, value in options.items() if key != "deterministic"}
+    oracle = attention_values_and_grads(reference.attention_kl, q_s, k_s, q_t, k_t, upstream, dtype=torch.float64,
+                                        **reference_options)
+    same_dtype = torch.float64 if q_s.dtype == torch.float64 else torch.float32
+    same = attention_values_and_grads(reference.attention_kl, q_s, k_s, q_t, k_t, upstream, dtype=same_dtype,
+                                      **reference_options)
+    assert ours[0].dtype == same_dtype and ours[1].dtype == q_s.dtype and ours[2].dtype == k_s.dtype
+    # float64 inputs are accumulated in float64: the same-precision reference is the oracle
+    # itself, so hold them to a float64-sized floor.
+    if rel_floor is None:
+        rel_floor = 1e-12 if q_s.dtype == torch.float64 else 1e-6
+    for name, a, o, s in zip(("loss", "dq_s", "dk_s"), ours, oracle, same):
+        # A 16-bit gradient may differ from the rounded float32 one by a rounding step: any error
+        # before the final rounding (the CUDA kernels round dS to the input dtype for the tensor
+        # cores, as FlashAttention does) can tip an entry to its neighbour, while the float32
+        # result's own rounding error happens to be small on some draws.
+        floor = max(rel_floor, torch.finfo(a.dtype).eps) if a.element_size() == 2 else rel_floor
+        assert_close_to_oracle(a, o, s, k=k, rel_floor=floor, what=name)
+    return ours, oracle

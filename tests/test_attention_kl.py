@@ -1,6 +1,6 @@
 """Attention-distribution KL: values and gradients against the float64 reference for every
 option, the operator layer (opcheck, gradcheck, torch.compile), that no [N_q x N_k] buffer is
-allocated, and bad input. CPU kernels so far; on CUDA the op says clearly that it has none."""
+allocated, and bad input, on the CPU kernels (test_attention_kl_cuda.py has the CUDA ones)."""
 
 import itertools
 
@@ -8,52 +8,7 @@ import pytest
 import torch
 
 import nitrobrew
-from conftest import CUDA
-from helpers import assert_close_to_oracle
-from nitrobrew import reference
-
-KINDS = ["forward", "reverse"]
-GQA = {"none": (1, 1), "student": (2, 1), "teacher": (1, 4), "both": (2, 4)}  # query heads per key head (s, t)
-
-
-def make_attention(b=2, n_q=37, n_k=45, heads=4, gqa="none", d_s=24, d_t=40, *, dtype=torch.float32, scale=1.0,
-                   masked=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h_ks, h_kt = (heads // group for group in GQA[gqa])
-    q_s = torch.randn(b, n_q, heads, d_s, generator=g, dtype=torch.float64) * scale
-    k_s = torch.randn(b, n_k, h_ks, d_s, generator=g, dtype=torch.float64)
-    q_t = torch.randn(b, n_q, heads, d_t, generator=g, dtype=torch.float64) * scale
-    k_t = torch.randn(b, n_k, h_kt, d_t, generator=g, dtype=torch.float64)
-    mask = torch.rand(b, n_k, generator=g) > 0.3 if masked else None
-    return (*(t.to(dtype) for t in (q_s, k_s, q_t, k_t)), mask)
-
-
-def values_and_grads(fn, q_s, k_s, q_t, k_t, upstream, **options):
-    q_s = q_s.detach().clone().requires_grad_()
-    k_s = k_s.detach().clone().requires_grad_()
-    loss = fn(q_s, k_s, q_t, k_t, **options)
-    dq, dk = torch.autograd.grad(loss, (q_s, k_s), upstream.to(loss.dtype))
-    return loss.detach(), dq, dk
-
-
-def check_attention(q_s, k_s, q_t, k_t, *, k=2.0, **options):
-    """nitrobrew vs the float64 oracle, within k x the error of the reference evaluated in the
-    precision the kernel accumulates in (float32 for 16- and 32-bit inputs)."""
-    reduction = options.get("reduction", "mean")
-    shape = (q_s.shape[0], q_s.shape[2], q_s.shape[1]) if reduction == "none" else ()
-    upstream = torch.randn(shape, dtype=torch.float64)
-    ours = values_and_grads(nitrobrew.attention_kl, q_s, k_s, q_t, k_t, upstream, **options)
-    oracle = values_and_grads(reference.attention_kl, q_s, k_s, q_t, k_t, upstream, dtype=torch.float64, **options)
-    same_dtype = torch.float64 if q_s.dtype == torch.float64 else torch.float32
-    same = values_and_grads(reference.attention_kl, q_s, k_s, q_t, k_t, upstream, dtype=same_dtype, **options)
-    assert ours[0].dtype == same_dtype and ours[1].dtype == q_s.dtype and ours[2].dtype == k_s.dtype
-    # float64 inputs are accumulated in float64: the same-precision reference is the oracle
-    # itself, so hold them to a float64-sized floor.
-    rel_floor = 1e-12 if q_s.dtype == torch.float64 else 1e-6
-    for name, a, o, s in zip(("loss", "dq_s", "dk_s"), ours, oracle, same):
-        assert_close_to_oracle(a, o, s, k=k, rel_floor=rel_floor, what=name)
-    return ours, oracle
-
+from helpers import GQA, KINDS, check_attention, make_attention
 
 @pytest.mark.parametrize(
     "kind,causal,masked,gqa,reduction",
@@ -124,7 +79,7 @@ def test_non_contiguous_inputs():
 
 
 def _op_args(q_s, k_s, q_t, k_t, mask, reverse=False, causal=True):
-    return (q_s, k_s, q_t, k_t, mask, reverse, causal, 0.4, 0.3, 1.3)
+    return (q_s, k_s, q_t, k_t, mask, reverse, causal, 0.4, 0.3, 1.3, False)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -138,7 +93,7 @@ def test_opcheck(reverse, masked):
     grad = torch.randn(2, 2, 5)
     torch.library.opcheck(
         torch.ops.nitrobrew.attention_kl_bwd.default,
-        (grad, q_s.detach(), k_s.detach(), q_t, k_t, mask, row_stats, reverse, True, 0.4, 0.3, 1.3),
+        (grad, q_s.detach(), k_s.detach(), q_t, k_t, mask, row_stats, reverse, True, 0.4, 0.3, 1.3, False),
     )
 
 
@@ -217,10 +172,3 @@ def test_bad_input_is_a_clear_error(change, error, match):
     args.update({key: value for key, value in change.items() if key in args})
     with pytest.raises(error, match=match):
         nitrobrew.attention_kl(args["q_s"], args["k_s"], args["q_t"], args["k_t"], **options)
-
-
-@CUDA
-def test_cuda_tensors_are_a_clear_error_until_the_cuda_kernels_exist():
-    q_s, k_s, q_t, k_t, _ = (t.cuda() if t is not None else None for t in make_attention())
-    with pytest.raises(NotImplementedError, match="no cuda kernels yet"):
-        nitrobrew.attention_kl(q_s, k_s, q_t, k_t)

@@ -4,7 +4,9 @@
 # headers. Needs no GPU. Fails if there are CUDA sources and no nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mapfile -t sources < <(find csrc -name '*.cu' | sort)
+# ONLY=pattern compiles just the sources whose path matches it (grep -E).
+# The .cpp files under csrc/cuda are host code of the CUDA build: nvcc hands them to the host compiler.
+mapfile -t sources < <( (find csrc -name '*.cu'; find csrc/cuda -name '*.cpp') | sort | grep -E "${ONLY:-.}")
 if [ ${#sources[@]} -eq 0 ]; then
   echo "compile_cuda: no CUDA sources under csrc/"
   exit 0

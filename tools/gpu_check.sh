@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, GPU tests, compute-sanitizer, benchmarks. Results and logs
-# go to $OUT (or ./gpu_out). Usage: bash tools/gpu_check.sh [build|test|test_sm80|sanitize|bench ...]
+# go to $OUT (or ./gpu_out). Usage:
+#   bash tools/gpu_check.sh [build|test|test_sm80|sanitize|sanitize_attention|bench|bench_attention ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-steps=${*:-build test test_sm80 sanitize bench}
+steps=${*:-build test test_sm80 sanitize sanitize_attention bench bench_attention}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
@@ -31,7 +32,11 @@ for step in $steps; do
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run memcheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
+    sanitize_attention)
+      run memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
+      run racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
+    bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
   esac
 done
 exit $status

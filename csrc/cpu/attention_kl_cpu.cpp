@@ -182,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_fwd_cpu(const at::Tensor& q_s, c
                                                         const at::Tensor& q_t, const at::Tensor& k_t,
                                                         const c10::optional<at::Tensor>& key_mask, bool reverse,
                                                         bool causal, double scale_s, double scale_t,
-                                                        double temperature) {
+                                                        double temperature, bool /*deterministic: always*/) {
   const AttentionKLParams p =
       make_attention_kl_params(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_s, scale_t, temperature);
   const auto acc = q_s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -202,7 +202,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cpu(const at::Tensor& grad_l
                                                         const at::Tensor& k_t,
                                                         const c10::optional<at::Tensor>& key_mask,
                                                         const at::Tensor& row_stats, bool reverse, bool causal,
-                                                        double scale_s, double scale_t, double temperature) {
+                                                        double scale_s, double scale_t, double temperature,
+                                                        bool /*deterministic: always*/) {
   const AttentionKLParams p =
       make_attention_kl_params(q_s, k_s, q_t, k_t, key_mask, reverse, causal, scale_s, scale_t, temperature);
   TORCH_CHECK(grad_loss.dim() == 3 && grad_loss.size(0) == p.batch && grad_loss.size(1) == p.heads &&

@@ -1,0 +1,190 @@
+// Attention-KL forward on CUDA: one block per (64 query rows, batch, head). The block keeps its
+// student and teacher query tiles in shared memory, streams tiles of 64 keys of both models
+// through a double-buffered cp.async ring, computes both [64 x 64] score tiles with mma.sync
+// (sm_80; also the kernel on sm_90) and folds them into each row's one-pass KL state
+// (online_state.h) while they are in registers. Scores never leave the chip. Under the causal
+// mask, key tiles past the block's last visible key are not visited; only tiles that straddle
+// the diagonal, the end of the keys or a key mask pay for per-entry masking.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <limits>
+
+#include "../row_stats.h"
+#include "attention_tiles.cuh"
+
+namespace nitrobrew {
+namespace cuda {
+namespace attention {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The one-pass KL states of the two rows a thread holds (rows l/4 and l/4 + 8 of its warp),
+// each kept relative to a max shared by the row's 4 lanes so that their partial sums add.
+struct TwoRowKL {
+  float max_w[2] = {kNegInf, kNegInf}, sum_w[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+  float max_o[2] = {kNegInf, kNegInf}, sum_o[2] = {0.f, 0.f};
+
+  // Folds a tile of scaled student and teacher scores s, t. The distribution w weighting the KL
+  // is the teacher's for forward KL and the student's for reverse KL (selected per entry, so the
+  // tiles stay in registers); o is the other one. kMasked: entries where visible(j, e) is false
+  // are skipped.
+  template <bool kMasked, typename Visible>
+  __device__ __forceinline__ void fold(const ScoreAcc& s, const ScoreAcc& t, bool reverse, Visible visible) {
+    float tile_max_w[2] = {kNegInf, kNegInf}, tile_max_o[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (kMasked && !visible(j, e)) continue;
+        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], reverse ? s[j][e] : t[j][e]);
+        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], reverse ? t[j][e] : s[j][e]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // every lane shuffles, before any row-dependent branch
+      tile_max_w[r] = quad_max(tile_max_w[r]);
+      tile_max_o[r] = quad_max(tile_max_o[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (tile_max_w[r] == kNegInf) continue;  // nothing visible in this row of the tile
+      const float new_w = fmaxf(max_w[r], tile_max_w[r]), new_o = fmaxf(max_o[r], tile_max_o[r]);
+      const float keep_w = rescale(max_w[r], new_w), keep_o = rescale(max_o[r], new_o);
+      sum_w[r] *= keep_w;
+      a[r] *= keep_w;
+      sum_o[r] *= keep_o;
+      max_w[r] = new_w;
+      max_o[r] = new_o;
+    }
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        if (kMasked && !visible(j, e)) continue;
+        const float w = reverse ? s[j][e] : t[j][e], o = reverse ? t[j][e] : s[j][e];
+        const float ew = __expf(w - max_w[r]);
+        sum_w[r] += ew;
+        a[r] += ew * (w - o);
+        sum_o[r] += __expf(o - max_o[r]);
+      }
+    }
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const AttentionArgs<T> a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int s_len = a.d_s_pad + kRowPad, t_len = a.d_t_pad + kRowPad;
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* q_t = q_s + kBlockRows * s_len;
+  T* k_s = q_t + kBlockRows * t_len;  // [2 stages]
+  T* k_t = k_s + 2 * kBlockRows * s_len;
+
+  // Heaviest query tiles (the causal mask's last rows) first, all heads of one tile together.
+  const int q_tiles = (a.n_q + kBlockRows - 1) / kBlockRows;
+  const int64_t bh = blockIdx.x % (a.batch * a.heads);
+  const int i0 = (q_tiles - 1 - static_cast<int>(blockIdx.x / (a.batch * a.heads))) * kBlockRows;
+  const int64_t b = bh / a.heads;
+  const int h = static_cast<int>(bh % a.heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int rows_valid = min(kBlockRows, a.n_q - i0);
+
+  const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
+  const int k_tiles = key_end > 0 ? (key_end + kBlockCols - 1) / kBlockCols : 0;
+  const int64_t q_stride_s = static_cast<int64_t>(a.heads) * a.d_s, q_stride_t = static_cast<int64_t>(a.heads) * a.d_t;
+  const int64_t k_stride_s = static_cast<int64_t>(a.key_heads_s) * a.d_s;
+  const int64_t k_stride_t = static_cast<int64_t>(a.key_heads_t) * a.d_t;
+  const T* k_s_rows = a.rows(a.k_s, b, a.n_k, a.key_heads_s, a.key_head_s(h), 0, a.d_s);
+  const T* k_t_rows = a.rows(a.k_t, b, a.n_k, a.key_heads_t, a.key_head_t(h), 0, a.d_t);
+  auto load_keys = [&](int tile, int stage) {
+    const int j0 = tile * kBlockCols;
+    load_tile_async(k_s + stage * kBlockRows * s_len, a.d_s_pad, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0,
+                    a.d_s);
+    load_tile_async(k_t + stage * kBlockRows * t_len, a.d_t_pad, k_t_rows + j0 * k_stride_t, k_stride_t, a.n_k - j0,
+                    a.d_t);
+  };
+  if (k_tiles > 0) {
+    load_tile_async(q_s, a.d_s_pad, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
+    load_tile_async(q_t, a.d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
+    load_keys(0, 0);
+    cp_async_commit();
+  }
+
+  TwoRowKL state;
+  const int row0 = i0 + warp * 16 + lane / 4;  // the thread's rows: row0 and row0 + 8
+  for (int tile = 0; tile < k_tiles; ++tile) {
+    const int stage = tile & 1;
+    if (tile + 1 < k_tiles) {
+      load_keys(tile + 1, stage ^ 1);  // its stage was last read before the previous barrier
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    ScoreAcc s, t;
+    warp_scores(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, a.d_s_pad);
+    warp_scores(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, a.d_t_pad);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // scores rounded once, as on the CPU
+        s[j][e] = __fmul_rn(s[j][e], a.c_s);
+        t[j][e] = __fmul_rn(t[j][e], a.c_t);
+      }
+    }
+    const int j0 = tile * kBlockCols;
+    const int col0 = j0 + 2 * (lane % 4);
+    const bool masked = a.key_mask != nullptr || j0 + kBlockCols > a.n_k ||
+                        (a.causal && j0 + kBlockCols - 1 > a.last_key(i0));
+    if (masked) {
+      state.fold<true>(s, t, a.reverse,
+                       [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
+    } else {
+      state.fold<false>(s, t, a.reverse, [](int, int) { return true; });
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum_w = quad_sum(state.sum_w[r]), sum_o = quad_sum(state.sum_o[r]), a_sum = quad_sum(state.a[r]);
+    const int i = row0 + 8 * r;
+    if (lane % 4 != 0 || i >= a.n_q) continue;
+    const int64_t row = bh * a.n_q + i;
+    float* stats = a.row_stats + row * kNumAttentionRowStats;
+    if (state.max_w[r] == kNegInf) {  // the row sees no key: zero loss and statistics
+      a.loss[row] = 0.f;
+      for (int c = 0; c < kNumAttentionRowStats; ++c) stats[c] = 0.f;
+      continue;
+    }
+    KLState<float> kl;
+    kl.w = {state.max_w[r], sum_w};
+    kl.o = {state.max_o[r], sum_o};
+    kl.a = a_sum;
+    a.loss[row] = store_kl_row(finish_kl_row(kl, a.reverse), stats);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream) {
+  const size_t smem = 3 * (tile_bytes<T>(a.d_s_pad) + tile_bytes<T>(a.d_t_pad));  // q, and 2 stages of k
+  auto* kernel = &attention_kl_fwd_kernel<T>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = a.batch * a.heads * ((a.n_q + kBlockRows - 1) / kBlockRows);
+  TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void launch_attention_kl_forward(const AttentionArgs<__nv_bfloat16>&, cudaStream_t);
+template void launch_attention_kl_forward(const AttentionArgs<__half>&, cudaStream_t);
+
+}  // namespace attention
+}  // namespace cuda
+}  // namespace nitrobrew

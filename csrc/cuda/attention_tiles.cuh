@@ -1,0 +1,164 @@
+// Device pieces shared by the attention-KL kernels (attention_kl_fwd.cu, attention_kl_bwd.cu).
+//
+// A block of 4 warps owns kBlockRows rows (queries in the forward and the dq kernel, keys in
+// the dk kernel) and walks tiles of kBlockCols columns (keys, resp. queries). Each warp owns
+// 16 rows; its scores for a tile are a [16 x 64] float32 accumulator in the layout of
+// mma.m16n8k16 (tile_gemm.cuh): lane l holds, for n-tiles j = 0..7,
+//   acc[j][0..1] at row l/4,     columns 8j + 2(l%4) + {0, 1}
+//   acc[j][2..3] at row l/4 + 8, columns 8j + 2(l%4) + {0, 1}.
+// Operands live in shared memory as [64 rows][d_pad + 8] (16 bytes of padding per row keep
+// ldmatrix's eight row reads on distinct banks), filled with cp.async and zero past the head
+// dim, so the products over d_pad equal those over the true head dim.
+#pragma once
+
+#include "attention_kl_cuda.h"
+#include "tile_gemm.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace nitrobrew {
+namespace cuda {
+namespace attention {
+
+constexpr int kThreads = 128;    // 4 warps of 16 rows
+constexpr int kBlockRows = 64;
+constexpr int kBlockCols = 64;
+constexpr int kColTiles = kBlockCols / 8;
+constexpr int kRowPad = 8;       // elements of padding per shared-memory row
+
+using ScoreAcc = float[kColTiles][4];
+
+// Bytes of one [64 x d_pad] shared-memory tile.
+template <typename T>
+inline size_t tile_bytes(int d_pad) {
+  return static_cast<size_t>(kBlockRows) * (d_pad + kRowPad) * sizeof(T);
+}
+
+// Starts copying rows [0, rows_valid) of a [64 x d] tile (rows `row_stride` elements apart) into
+// shared memory; rows and columns past the valid ones are zero-filled up to d_pad.
+template <typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, int d_pad, const T* src, int64_t row_stride,
+                                                int rows_valid, int d) {
+  const int chunks_per_row = d_pad / 8;
+  const int stride = d_pad + kRowPad;
+  for (int c = threadIdx.x; c < kBlockRows * chunks_per_row; c += kThreads) {
+    const int r = c / chunks_per_row, col = (c % chunks_per_row) * 8;
+    const bool valid = r < rows_valid && col < d;
+    cp_async_16(smem + r * stride + col, valid ? src + r * row_stride + col : src, valid);
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// acc = a[16 rows] . b[64 rows]^T over d_pad: the warp's scores against a tile. `a` points at
+// the warp's first row; both operands have rows of d_pad + kRowPad elements.
+template <typename T>
+__device__ __forceinline__ void warp_scores(ScoreAcc& acc, const T* a, const T* b, int d_pad) {
+  const int lane = threadIdx.x % 32, stride = d_pad + kRowPad;
+#pragma unroll
+  for (int j = 0; j < kColTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int kk = 0; kk < d_pad; kk += 16) {
+    uint32_t af[4];
+    ldmatrix_x4(af, a + (lane % 16) * stride + kk + (lane / 16) * 8);
+#pragma unroll
+    for (int j = 0; j < kColTiles; j += 2) {
+      uint32_t bf[4];  // n-tiles j and j + 1, k halves 0 and 1
+      ldmatrix_x4(bf, b + (j * 8 + (lane & 7) + ((lane >> 4) << 3)) * stride + kk + ((lane >> 3) & 1) * 8);
+      mma_16816<T>(acc[j], af, bf[0], bf[1]);
+      mma_16816<T>(acc[j + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A [16 x 64] accumulator as the A operand of four k-steps of 16: the m16n8 C layout of
+// n-tiles 2k and 2k + 1 is the m16n8k16 A layout of k-step k.
+template <typename T>
+__device__ __forceinline__ void acc_to_a_operand(uint32_t (&a)[4][4], const ScoreAcc& acc) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    a[k][0] = pack2<T>(acc[2 * k][0], acc[2 * k][1]);
+    a[k][1] = pack2<T>(acc[2 * k][2], acc[2 * k][3]);
+    a[k][2] = pack2<T>(acc[2 * k + 1][0], acc[2 * k + 1][1]);
+    a[k][3] = pack2<T>(acc[2 * k + 1][2], acc[2 * k + 1][3]);
+  }
+}
+
+// out[16 x 8 kNTiles] += a[16 x 64] . b[64 x (n0 .. n0 + 8 kNTiles)], with b a shared-memory tile
+// stored row-major as [64][stride] (k-major: keys or queries by head dim), read transposed.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void warp_times_tile(float (&out)[kNTiles][4], const uint32_t (&a)[4][4], const T* b,
+                                                int stride, int n0) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int j = 0; j < kNTiles; j += 2) {
+      uint32_t bf[4];  // k halves 0 and 1 of n-tile j, then of n-tile j + 1
+      ldmatrix_x4_trans(bf, b + (k * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + j * 8 + (lane >> 4) * 8);
+      mma_16816<T>(out[j], a[k], bf[0], bf[1]);
+      mma_16816<T>(out[j + 1], a[k], bf[2], bf[3]);
+    }
+  }
+}
+
+// Max over the 4 lanes that share a row.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// What the backward needs of one query row: its log-normalizers, gradient centre and
+// upstream gradient (times dscore/dq and the float16 range scale).
+struct GradRow {
+  float max_s, log_sum_s, max_t, log_sum_t, center, grad;
+};
+
+// dLoss/dscore_s of one visible entry, without the row's upstream gradient (DESIGN.md 3;
+// divergence_grad in online_state.h, with fast exponentials: p and q are probabilities).
+__device__ __forceinline__ float attention_grad(float s, float t, const GradRow& r, bool reverse) {
+  const float p = __expf((s - r.max_s) - r.log_sum_s);
+  if (reverse) return p * ((s - t) - r.center);
+  return p - __expf((t - r.max_t) - r.log_sum_t);
+}
+
+// 2^e with e chosen so that max|grad_loss| * |c_s| * 2^e lies in (32, 64]: dS is rounded to
+// float16 for the tensor cores, and the upstream gradient of a mean over ~1e6 rows times
+// probabilities ~1e-5 would otherwise fall below float16's smallest normal. bfloat16 has
+// float32's range and needs none (grad_max is null).
+__device__ __forceinline__ float dscore_range_scale(const float* grad_max, float c_s) {
+  if (grad_max == nullptr) return 1.f;
+  const float m = *grad_max * fabsf(c_s);
+  if (!(m > 0.f) || !isfinite(m)) return 1.f;
+  return exp2f(fminf(fmaxf(6.f - ceilf(log2f(m)), -100.f), 100.f));
+}
+
+}  // namespace attention
+}  // namespace cuda
+}  // namespace nitrobrew

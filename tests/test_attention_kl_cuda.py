@@ -1,0 +1,189 @@
+"""Attention-distribution KL on CUDA (bfloat16 / float16 on tensor cores): values and gradients
+against the float64 reference for every option, on lengths that divide no 64-row tile, with the
+default (atomic dq) and the deterministic backward; reproducibility, the float16 gradient range,
+the chunked dq buffer, torch.compile and errors."""
+
+import itertools
+
+import pytest
+import torch
+
+import nitrobrew
+from conftest import CUDA
+from helpers import GQA, KINDS, check_attention, make_attention
+
+pytestmark = CUDA
+
+
+def cuda_attention(**kwargs):
+    kwargs.setdefault("dtype", torch.bfloat16)
+    return make_attention(device="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    "kind,causal,masked,gqa", list(itertools.product(KINDS, [False, True], [False, True], list(GQA)))
+)
+def test_every_option(kind, causal, masked, gqa, deterministic):
+    # 137 queries, 201 keys: 3 and 4 tiles of 64, the last ones partial; head dims 24 and 40.
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=137, n_k=201, gqa=gqa, masked=masked)
+    check_attention(q_s, k_s, q_t, k_t, kind=kind, causal=causal, attention_mask=mask, reduction="none",
+                    temperature=1.5, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reductions_and_dtypes(reduction, dtype):
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=100, n_k=130, gqa="both", masked=True, dtype=dtype)
+    check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask, reduction=reduction)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n_q,n_k", [(300, 70), (70, 300), (129, 257)])
+def test_causal_alignment_with_unequal_lengths(kind, n_q, n_k):
+    # More queries than keys: under the bottom-right causal mask the first 230 rows see no key,
+    # so whole query tiles (forward, dq) and whole key tiles' early query tiles (dk) are skipped.
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=1, n_q=n_q, n_k=n_k, heads=2, d_s=64, d_t=128, masked=True)
+    for deterministic in (False, True):
+        check_attention(q_s, k_s, q_t, k_t, kind=kind, causal=True, attention_mask=mask, reduction="none",
+                        deterministic=deterministic)
+
+
+@pytest.mark.parametrize("d_s,d_t", [(64, 128), (128, 64), (128, 128), (80, 96), (3, 5), (256, 200), (136, 16)])
+def test_head_dims(d_s, d_t):
+    # 64 and 128 are the tuned sizes; the others are padded (to 8 and to 64 / 128 / 256).
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=90, n_k=77, heads=2, gqa="student", d_s=d_s, d_t=d_t, masked=True)
+    check_attention(q_s, k_s, q_t, k_t, kind="forward", causal=True, attention_mask=mask, reduction="none")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("temperature", [0.1, 10.0])
+def test_temperatures(kind, temperature):
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=70, n_k=150, gqa="both", masked=True)
+    check_attention(q_s, k_s, q_t, k_t, kind=kind, temperature=temperature, attention_mask=mask, reduction="none")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_scores(kind):
+    # Scores of magnitude ~1e2 to 1e3: near one-hot rows.
+    q_s, k_s, q_t, k_t, _ = cuda_attention(n_q=70, n_k=150, gqa="student", scale=30.0)
+    (loss, _, _), _ = check_attention(q_s, k_s, q_t, k_t, kind=kind, causal=True, reduction="none")
+    assert loss.abs().max() > 10, "the test should reach large losses"
+
+
+def test_float16_gradients_of_a_mean_over_many_rows():
+    # dS = dLoss/dscore is rounded to float16 for the tensor cores. With the mean over 4 x 2048
+    # rows and probabilities ~1/2048, dS ~ 1e-9 lies below float16's smallest subnormal (6e-8);
+    # the kernels scale it into range by max |grad_loss|.
+    q_s, k_s, q_t, k_t, _ = cuda_attention(b=1, n_q=2048, n_k=2048, heads=4, d_s=64, d_t=64, dtype=torch.float16)
+    for deterministic in (False, True):
+        _, (_, dq, dk) = check_attention(q_s, k_s, q_t, k_t, kind="forward", reduction="mean",
+                                         deterministic=deterministic)
+        assert dq.abs().max() < 1e-4, "the test should reach gradients float16 cannot hold unscaled"
+
+
+def test_non_contiguous_inputs():
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=100, n_k=100, gqa="none", masked=True)
+    # [B, H, N, D] tensors transposed to [B, N, H, D], as attention modules often hold them.
+    q_s, k_s, q_t, k_t = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q_s, k_s, q_t, k_t))
+    assert not q_s.is_contiguous()
+    check_attention(q_s, k_s, q_t, k_t, kind="forward", attention_mask=mask, reduction="none")
+
+
+def test_rows_that_see_no_key_give_zero_loss_and_gradient():
+    q_s, k_s, q_t, k_t, _ = cuda_attention(b=2, n_q=90, n_k=20, heads=2, d_s=64, d_t=64)
+    mask = torch.ones(2, 20, dtype=torch.bool, device="cuda")
+    mask[1] = False  # batch 1 attends to nothing
+    q_s.requires_grad_()
+    k_s.requires_grad_()
+    loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=True, attention_mask=mask, reduction="none")
+    # Query i sees keys j <= i - 70: rows 0-69 see none.
+    assert (loss[:, :, :70] == 0).all() and (loss[1] == 0).all() and (loss[0, :, 71:] > 0).all()
+    loss.sum().backward()
+    assert (q_s.grad[:, :70] == 0).all() and (q_s.grad[1] == 0).all() and (q_s.grad[0, 71:] != 0).any()
+    assert (k_s.grad[1] == 0).all() and torch.isfinite(k_s.grad).all()
+
+
+def test_deterministic_gradients_are_bitwise_reproducible():
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=2, n_q=300, n_k=300, heads=4, gqa="student", d_s=64, d_t=64,
+                                              masked=True)
+
+    def grads(deterministic):
+        a, b = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+        nitrobrew.attention_kl(a, b, q_t, k_t, causal=True, attention_mask=mask, deterministic=deterministic).backward()
+        return a.grad, b.grad
+
+    first, second = grads(True), grads(True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    atomic = grads(False)
+    torch.testing.assert_close(atomic[0], first[0], rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(atomic[1], first[1], rtol=2e-2, atol=1e-5)
+
+
+def test_dq_buffer_in_chunks(monkeypatch):
+    # The atomic backward accumulates dq in float32 a chunk of (batches x key heads) at a time;
+    # a tiny budget forces one key head per chunk.
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=3, n_q=100, n_k=90, heads=4, gqa="student", masked=True)
+    monkeypatch.setenv("NITROBREW_DQ_ACCUM_BYTES", "1")
+    check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask, reduction="none")
+
+
+def test_float32_inputs_are_a_clear_error():
+    q_s, k_s, q_t, k_t, _ = make_attention(device="cuda", dtype=torch.float32)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
+
+
+def test_errors_of_the_cuda_op_reach_python():
+    # Raised by the op's C++ checks (the Python wrapper checks neither of these).
+    q_s, k_s, q_t, k_t, _ = cuda_attention(d_s=264, d_t=64)
+    with pytest.raises(RuntimeError, match="head dims up to 256"):
+        nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
+    q_s, k_s, q_t, k_t, _ = cuda_attention(heads=4)
+    with pytest.raises(RuntimeError, match="multiple of its key heads"):
+        torch.ops.nitrobrew.attention_kl_fwd(q_s, k_s[:, :, :3], q_t, k_t, None, False, False, 1.0, 1.0, 1.0, False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_with_backward(dynamic):
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=100, n_k=100, gqa="both", masked=True)
+
+    def step(q_s, k_s):
+        return nitrobrew.attention_kl(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask,
+                                      deterministic=True)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    a, b = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+    loss = compiled(a, b)
+    loss.backward()
+    a_ref, b_ref = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+    step(a_ref, b_ref).backward()
+    torch.testing.assert_close(loss, step(q_s, k_s))
+    assert torch.equal(a.grad, a_ref.grad) and torch.equal(b.grad, b_ref.grad)
+
+
+def test_opcheck():
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=2, n_q=70, n_k=80, heads=4, gqa="teacher", d_s=64, d_t=32,
+                                              masked=True)
+    args = (q_s, k_s, q_t, k_t, mask, True, True, 0.4, 0.3, 1.3, True)
+    torch.library.opcheck(torch.ops.nitrobrew.attention_kl_fwd.default, args)
+    _, row_stats = torch.ops.nitrobrew.attention_kl_fwd(*args)
+    grad = torch.randn(2, 4, 70, device="cuda")
+    torch.library.opcheck(torch.ops.nitrobrew.attention_kl_bwd.default,
+                          (grad, q_s, k_s, q_t, k_t, mask, row_stats, True, True, 0.4, 0.3, 1.3, True))
+
+
+def test_no_buffer_of_queries_times_keys_is_allocated():
+    # 2048 x 2048 float32 scores take 16 MiB per head; the largest allocation allowed here is an
+    # eighth of that (the dq accumulator is [N_q, H, D] float32: 2 MiB).
+    n = 2048
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=1, n_q=n, n_k=n, heads=4, gqa="student", d_s=64, d_t=64, masked=True)
+    q_s.requires_grad_()
+    k_s.requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=True, attention_mask=mask).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert 0 < extra < n * n * 4 * 4 / 8, f"{extra} bytes allocated: O(N_q x N_k)"

@@ -1,0 +1,44 @@
+"""Runs every CUDA kernel of the attention KL (forward; dk with atomic dq, also chunked; dq and dk
+of the deterministic backward) once on small, awkward problems, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tools/sanitize_attention_kl.py
+"""
+
+import itertools
+import os
+
+import torch
+
+import nitrobrew
+
+
+def main():
+    torch.manual_seed(0)
+    dev = "cuda"
+    cases = itertools.product(
+        [torch.bfloat16, torch.float16],
+        # (B, N_q, N_k, H, H_ks, H_kt, D_s, D_t): partial tiles, GQA on each side, padded head dims
+        [(2, 70, 45, 4, 2, 1, 24, 40), (1, 130, 200, 2, 2, 2, 128, 64), (1, 33, 90, 2, 1, 2, 200, 13)],
+        [False, True],  # causal
+        [False, True],  # deterministic
+    )
+    for dtype, (b, n_q, n_k, h, h_ks, h_kt, d_s, d_t), causal, deterministic in cases:
+        q_s = torch.randn(b, n_q, h, d_s, device=dev, dtype=dtype, requires_grad=True)
+        k_s = torch.randn(b, n_k, h_ks, d_s, device=dev, dtype=dtype, requires_grad=True)
+        q_t = torch.randn(b, n_q, h, d_t, device=dev, dtype=dtype)
+        k_t = torch.randn(b, n_k, h_kt, d_t, device=dev, dtype=dtype)
+        mask = torch.rand(b, n_k, device=dev) > 0.2
+        for chunked in (False, True):  # dq buffer in one piece / one key head per chunk
+            os.environ["NITROBREW_DQ_ACCUM_BYTES"] = "1" if chunked else str(256 << 20)
+            loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, kind="reverse" if causal else "forward", causal=causal,
+                                          attention_mask=mask, temperature=2.0, deterministic=deterministic)
+            grads = torch.autograd.grad(loss, (q_s, k_s))
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+            if deterministic:
+                break  # no dq buffer
+    print("sanitize_attention_kl: all cases ran")
+
+
+if __name__ == "__main__":
+    main()
