@@ -44,8 +44,16 @@ else
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
 fi
+cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
+compiled=0
 for src in "${sources[@]}"; do
+  # Host code that calls cuBLAS needs its headers, which a bare nvcc install may lack.
+  if [[ $src == *.cpp ]] && grep -q "ATen/cuda/CUDAContext.h" "$src" && [ ! -f "$cuda_include/cublas_v2.h" ]; then
+    echo "compile_cuda: $src skipped: no cuBLAS headers in $cuda_include"
+    continue
+  fi
   echo "compile_cuda: $src"
   "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}" ${NVCC_EXTRA:-}
+  compiled=$((compiled + 1))
 done
-echo "compile_cuda: ${#sources[@]} CUDA source(s) compiled"
+echo "compile_cuda: $compiled of ${#sources[@]} CUDA source(s) compiled"

@@ -23,7 +23,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 for step in $steps; do
   case $step in
-    build) run build python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
+    # The system g++ where there is one: on the H100 machine the default CXX (a wrapper around
+    # another g++ build) produced an extension whose C++ exceptions segfaulted instead of
+    # reaching Python; CXX overrides.
+    build) run build env CXX="${CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo c++)}" \
+             python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
     test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
     # The sm_80 (mma.sync) kernels, forced on this GPU (test_cuda_kernels.py covers both itself).
     test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q -x -k "cuda and not test_cuda_kernels" -p no:cacheprovider ;;

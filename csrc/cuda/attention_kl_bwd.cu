@@ -138,8 +138,15 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const Atte
 }
 
 // ------------------------------------------------------------------------------ dk -----
+// dS^T goes through shared memory for the dq product: in the teacher's query tile of the stage
+// (dead once the scores are formed) when that is large enough, which keeps two blocks per SM at
+// head dim 128; otherwise in a buffer of its own.
+__host__ __device__ __forceinline__ bool ds_in_teacher_tile(int d_t_pad) {
+  return d_t_pad + kRowPad >= kDsLen;
+}
+
 template <typename T, int kDs>
-__global__ void __launch_bounds__(kThreads, 1) attention_kl_dk_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const AttentionArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int s_len = kDs + kRowPad, t_len = a.d_t_pad + kRowPad;
   T* k_s = reinterpret_cast<T*>(smem);
@@ -147,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kl_dk_kernel(const Atte
   T* q_s = k_t + kBlockRows * t_len;  // [2 stages]
   T* q_t = q_s + 2 * kBlockRows * s_len;
   GradRow* grads = reinterpret_cast<GradRow*>(q_t + 2 * kBlockRows * t_len);  // [2 stages][64]
-  T* ds_t = reinterpret_cast<T*>(grads + 2 * kBlockCols);                     // [64 keys][kDsLen]
+  T* ds_own = reinterpret_cast<T*>(grads + 2 * kBlockCols);                   // [64 keys][kDsLen], if used
+  const bool ds_aliased = ds_in_teacher_tile(a.d_t_pad);
 
   // Key tiles seen by the most queries (the first ones, under the causal mask) first.
   const int64_t pairs = a.chunk_batches * a.chunk_key_heads;
@@ -234,6 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_kl_dk_kernel(const Atte
 
     if (a.dq_accum != nullptr) {
       // dq[queries] += dS . K_s: dS^T goes through shared memory, each warp takes 16 queries.
+      T* ds_t = ds_aliased ? q_t + stage * kBlockCols * t_len : ds_own;
+      if (ds_aliased) __syncthreads();  // every warp is done reading the teacher's query tile
 #pragma unroll
       for (int j = 0; j < kColTiles; ++j) {
         const int key_row = warp * 16 + lane / 4, q = 8 * j + 2 * (lane % 4);
@@ -301,8 +311,8 @@ void launch_dq(const AttentionArgs<T>& a, cudaStream_t stream) {
 
 template <typename T, int kDs>
 void launch_dk(const AttentionArgs<T>& a, cudaStream_t stream) {
-  const size_t smem = 3 * (tile_bytes<T>(kDs) + tile_bytes<T>(a.d_t_pad)) + 2 * kBlockCols * sizeof(GradRow) +
-                      kBlockRows * kDsLen * sizeof(T);
+  const size_t ds_bytes = a.dq_accum != nullptr && !ds_in_teacher_tile(a.d_t_pad) ? kBlockRows * kDsLen * sizeof(T) : 0;
+  const size_t smem = 3 * (tile_bytes<T>(kDs) + tile_bytes<T>(a.d_t_pad)) + 2 * kBlockCols * sizeof(GradRow) + ds_bytes;
   auto* kernel = &attention_kl_dk_kernel<T, kDs>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (a.n_k + kBlockRows - 1) / kBlockRows * a.chunk_batches * a.chunk_key_heads;

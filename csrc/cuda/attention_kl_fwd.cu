@@ -27,19 +27,20 @@ struct TwoRowKL {
   float max_o[2] = {kNegInf, kNegInf}, sum_o[2] = {0.f, 0.f};
 
   // Folds a tile of scaled student and teacher scores s, t. The distribution w weighting the KL
-  // is the teacher's for forward KL and the student's for reverse KL (selected per entry, so the
-  // tiles stay in registers); o is the other one. kMasked: entries where visible(j, e) is false
-  // are skipped.
-  template <bool kMasked, typename Visible>
-  __device__ __forceinline__ void fold(const ScoreAcc& s, const ScoreAcc& t, bool reverse, Visible visible) {
+  // is the teacher's for forward KL and the student's for reverse KL (kReverse); o is the other
+  // one. kMasked: entries where visible(j, e) is false are skipped.
+  template <bool kReverse, bool kMasked, typename Visible>
+  __device__ __forceinline__ void fold(const ScoreAcc& s, const ScoreAcc& t, Visible visible) {
+    const ScoreAcc& w = kReverse ? s : t;
+    const ScoreAcc& o = kReverse ? t : s;
     float tile_max_w[2] = {kNegInf, kNegInf}, tile_max_o[2] = {kNegInf, kNegInf};
 #pragma unroll
     for (int j = 0; j < kColTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (kMasked && !visible(j, e)) continue;
-        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], reverse ? s[j][e] : t[j][e]);
-        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], reverse ? t[j][e] : s[j][e]);
+        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], w[j][e]);
+        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], o[j][e]);
       }
     }
 #pragma unroll
@@ -58,23 +59,26 @@ struct TwoRowKL {
       max_w[r] = new_w;
       max_o[r] = new_o;
     }
+    // exp(x - max) as 2^(x log2e - max log2e): one FMA before the special-function unit (the
+    // product is exact inside the FMA, so entries at the max give 2^(rounding of max log2e)).
+    const float max_w2[2] = {max_w[0] * kLog2e, max_w[1] * kLog2e};
+    const float max_o2[2] = {max_o[0] * kLog2e, max_o[1] * kLog2e};
 #pragma unroll
     for (int j = 0; j < kColTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         if (kMasked && !visible(j, e)) continue;
-        const float w = reverse ? s[j][e] : t[j][e], o = reverse ? t[j][e] : s[j][e];
-        const float ew = __expf(w - max_w[r]);
+        const float ew = exp2_approx(fmaf(w[j][e], kLog2e, -max_w2[r]));
         sum_w[r] += ew;
-        a[r] += ew * (w - o);
-        sum_o[r] += __expf(o - max_o[r]);
+        a[r] = fmaf(ew, w[j][e] - o[j][e], a[r]);
+        sum_o[r] += exp2_approx(fmaf(o[j][e], kLog2e, -max_o2[r]));
       }
     }
   }
 };
 
-template <typename T>
+template <typename T, bool kReverse>
 __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const AttentionArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int s_len = a.d_s_pad + kRowPad, t_len = a.d_t_pad + kRowPad;
@@ -142,10 +146,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     const bool masked = a.key_mask != nullptr || j0 + kBlockCols > a.n_k ||
                         (a.causal && j0 + kBlockCols - 1 > a.last_key(i0));
     if (masked) {
-      state.fold<true>(s, t, a.reverse,
-                       [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
+      state.fold<kReverse, true>(
+          s, t, [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
     } else {
-      state.fold<false>(s, t, a.reverse, [](int, int) { return true; });
+      state.fold<kReverse, false>(s, t, [](int, int) { return true; });
     }
   }
 
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     kl.w = {state.max_w[r], sum_w};
     kl.o = {state.max_o[r], sum_o};
     kl.a = a_sum;
-    a.loss[row] = store_kl_row(finish_kl_row(kl, a.reverse), stats);
+    a.loss[row] = store_kl_row(finish_kl_row(kl, kReverse), stats);
   }
 }
 
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
 template <typename T>
 void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t smem = 3 * (tile_bytes<T>(a.d_s_pad) + tile_bytes<T>(a.d_t_pad));  // q, and 2 stages of k
-  auto* kernel = &attention_kl_fwd_kernel<T>;
+  auto* kernel = a.reverse ? &attention_kl_fwd_kernel<T, true> : &attention_kl_fwd_kernel<T, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = a.batch * a.heads * ((a.n_q + kBlockRows - 1) / kBlockRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);

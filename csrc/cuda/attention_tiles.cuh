@@ -123,6 +123,15 @@ __device__ __forceinline__ void warp_times_tile(float (&out)[kNTiles][4], const 
   }
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit (what __expf uses after scaling its argument by log2 e).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Max over the 4 lanes that share a row.
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
