@@ -23,10 +23,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 for step in $steps; do
   case $step in
-    # The system g++ where there is one: on the H100 machine the default CXX (a wrapper around
-    # another g++ build) produced an extension whose C++ exceptions segfaulted instead of
-    # reaching Python; CXX overrides.
-    build) run build env CXX="${CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo c++)}" \
+    # The system g++ where there is one: on the H100 machine the preset CXX (/opt/gcc/bin/g++, a
+    # wrapper around another g++ build) produced an extension whose C++ exceptions segfaulted
+    # instead of reaching Python. NITROBREW_BUILD_CXX overrides.
+    build) run build env CXX="${NITROBREW_BUILD_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}" \
              python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
     test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
     # The sm_80 (mma.sync) kernels, forced on this GPU (test_cuda_kernels.py covers both itself).

@@ -50,10 +50,11 @@ __device__ __forceinline__ GradRow load_grad_row(const AttentionArgs<T>& a, int6
 }
 
 // ---------------------------------------------------------------- dq (deterministic) -----
-template <typename T, int kDs>
+template <typename T, int kDs, int kDt>
 __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const AttentionArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int s_len = kDs + kRowPad, t_len = a.d_t_pad + kRowPad;
+  const int d_t_pad = head_dim_pad<kDt>(a.d_t_pad);
+  const int s_len = kDs + kRowPad, t_len = d_t_pad + kRowPad;
   T* q_s = reinterpret_cast<T*>(smem);
   T* q_t = q_s + kBlockRows * s_len;
   T* k_s = q_t + kBlockRows * t_len;  // [2 stages]
@@ -78,12 +79,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const Atte
   auto load_keys = [&](int tile, int stage) {
     const int j0 = tile * kBlockCols;
     load_tile_async(k_s + stage * kBlockRows * s_len, kDs, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0, a.d_s);
-    load_tile_async(k_t + stage * kBlockRows * t_len, a.d_t_pad, k_t_rows + j0 * k_stride_t, k_stride_t, a.n_k - j0,
+    load_tile_async(k_t + stage * kBlockRows * t_len, d_t_pad, k_t_rows + j0 * k_stride_t, k_stride_t, a.n_k - j0,
                     a.d_t);
   };
   if (k_tiles > 0) {
     load_tile_async(q_s, kDs, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
-    load_tile_async(q_t, a.d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
+    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
     load_keys(0, 0);
     cp_async_commit();
   }
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const Atte
     }
     __syncthreads();
     ScoreAcc s, t;
-    warp_scores(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, kDs);
-    warp_scores(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, a.d_t_pad);
+    warp_scores<kDs>(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, kDs);
+    warp_scores<kDt>(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, d_t_pad);
     const int j0 = tile * kBlockCols, col0 = j0 + 2 * (lane % 4);
     const bool masked = a.key_mask != nullptr || j0 + kBlockCols > a.n_k ||
                         (a.causal && j0 + kBlockCols - 1 > a.last_key(i0));
@@ -145,17 +146,18 @@ __host__ __device__ __forceinline__ bool ds_in_teacher_tile(int d_t_pad) {
   return d_t_pad + kRowPad >= kDsLen;
 }
 
-template <typename T, int kDs>
+template <typename T, int kDs, int kDt>
 __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const AttentionArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int s_len = kDs + kRowPad, t_len = a.d_t_pad + kRowPad;
+  const int d_t_pad = head_dim_pad<kDt>(a.d_t_pad);
+  const int s_len = kDs + kRowPad, t_len = d_t_pad + kRowPad;
   T* k_s = reinterpret_cast<T*>(smem);
   T* k_t = k_s + kBlockRows * s_len;
   T* q_s = k_t + kBlockRows * t_len;  // [2 stages]
   T* q_t = q_s + 2 * kBlockRows * s_len;
   GradRow* grads = reinterpret_cast<GradRow*>(q_t + 2 * kBlockRows * t_len);  // [2 stages][64]
   T* ds_own = reinterpret_cast<T*>(grads + 2 * kBlockCols);                   // [64 keys][kDsLen], if used
-  const bool ds_aliased = ds_in_teacher_tile(a.d_t_pad);
+  const bool ds_aliased = ds_in_teacher_tile(d_t_pad);
 
   // Key tiles seen by the most queries (the first ones, under the causal mask) first.
   const int64_t pairs = a.chunk_batches * a.chunk_key_heads;
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
     const int h = item_head(it), i0 = item_i0(it);
     load_tile_async(q_s + stage * kBlockCols * s_len, kDs, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s,
                     a.n_q - i0, a.d_s);
-    load_tile_async(q_t + stage * kBlockCols * t_len, a.d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t),
+    load_tile_async(q_t + stage * kBlockCols * t_len, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t),
                     q_stride_t, a.n_q - i0, a.d_t);
     if (threadIdx.x < kBlockCols) {
       grads[stage * kBlockCols + threadIdx.x] = load_grad_row(a, b * a.heads + h, i0 + threadIdx.x, grad_scale);
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
     const int stage = it & 1, h = item_head(it), i0 = item_i0(it);
     const int teacher_head = a.key_head_t(h);
     if (teacher_head != loaded_teacher_head) {  // k_t was last read before the previous barrier
-      load_tile_async(k_t, a.d_t_pad, a.rows(a.k_t, b, a.n_k, a.key_heads_t, teacher_head, j0, a.d_t), k_stride_t,
+      load_tile_async(k_t, d_t_pad, a.rows(a.k_t, b, a.n_k, a.key_heads_t, teacher_head, j0, a.d_t), k_stride_t,
                       a.n_k - j0, a.d_t);
       cp_async_commit();
       loaded_teacher_head = teacher_head;
@@ -222,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
 
     // dS^T for the warp's 16 keys against the tile's 64 queries.
     ScoreAcc s, t;
-    warp_scores(s, k_s + warp * 16 * s_len, q_s + stage * kBlockCols * s_len, kDs);
-    warp_scores(t, k_t + warp * 16 * t_len, q_t + stage * kBlockCols * t_len, a.d_t_pad);
+    warp_scores<kDs>(s, k_s + warp * 16 * s_len, q_s + stage * kBlockCols * s_len, kDs);
+    warp_scores<kDt>(t, k_t + warp * 16 * t_len, q_t + stage * kBlockCols * t_len, d_t_pad);
     const GradRow* tile_grads = grads + stage * kBlockCols;
 #pragma unroll
     for (int j = 0; j < kColTiles; ++j) {
@@ -298,10 +300,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
 }
 
 // ------------------------------------------------------------------------------ host -----
-template <typename T, int kDs>
+template <typename T, int kDs, int kDt>
 void launch_dq(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t smem = 3 * (tile_bytes<T>(kDs) + tile_bytes<T>(a.d_t_pad));
-  auto* kernel = &attention_kl_dq_kernel<T, kDs>;
+  auto* kernel = &attention_kl_dq_kernel<T, kDs, kDt>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = a.batch * a.heads * ((a.n_q + kBlockRows - 1) / kBlockRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);
@@ -309,11 +311,11 @@ void launch_dq(const AttentionArgs<T>& a, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int kDs>
+template <typename T, int kDs, int kDt>
 void launch_dk(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t ds_bytes = a.dq_accum != nullptr && !ds_in_teacher_tile(a.d_t_pad) ? kBlockRows * kDsLen * sizeof(T) : 0;
   const size_t smem = 3 * (tile_bytes<T>(kDs) + tile_bytes<T>(a.d_t_pad)) + 2 * kBlockCols * sizeof(GradRow) + ds_bytes;
-  auto* kernel = &attention_kl_dk_kernel<T, kDs>;
+  auto* kernel = &attention_kl_dk_kernel<T, kDs, kDt>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (a.n_k + kBlockRows - 1) / kBlockRows * a.chunk_batches * a.chunk_key_heads;
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (key tile, batch, key head) blocks: ", blocks);
@@ -321,17 +323,19 @@ void launch_dk(const AttentionArgs<T>& a, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int kDs>
+// kDt = kDs when the teacher's padded head dim matches the student's (the dq kernel unrolls its
+// teacher scores then), else 0.
+template <typename T, int kDs, int kDt>
 void backward(AttentionArgs<T> a, const AttentionKLParams& p, at::Tensor& dq, bool deterministic,
               cudaStream_t stream) {
   const int64_t group = p.heads / p.key_heads_s;
   if (deterministic) {
-    launch_dq<T, kDs>(a, stream);
+    launch_dq<T, kDs, kDt>(a, stream);
     a.chunk_b0 = 0;
     a.chunk_batches = p.batch;
     a.chunk_kh0 = 0;
     a.chunk_key_heads = static_cast<int>(p.key_heads_s);
-    launch_dk<T, kDs>(a, stream);
+    launch_dk<T, kDs, 0>(a, stream);  // unrolling its teacher scores spilled
     return;
   }
   // dq in float32 through atomics, a chunk of (batches x key heads) at a time to bound the buffer.
@@ -349,7 +353,7 @@ void backward(AttentionArgs<T> a, const AttentionKLParams& p, at::Tensor& dq, bo
       at::Tensor accum = at::zeros({a.chunk_batches, p.n_queries, a.chunk_key_heads * group, a.d_s},
                                    dq.options().dtype(at::kFloat));
       a.dq_accum = accum.data_ptr<float>();
-      launch_dk<T, kDs>(a, stream);
+      launch_dk<T, kDs, 0>(a, stream);  // unrolling its teacher scores spilled
       dq.narrow(0, b0, a.chunk_batches).narrow(2, kh0 * group, a.chunk_key_heads * group).copy_(accum);
     }
   }
@@ -363,13 +367,25 @@ void launch_attention_kl_backward(AttentionArgs<T> a, const AttentionKLParams& p
   // The gradient accumulators are D_s wide in registers: head dims are rounded up to 64, 128, 256.
   if (a.d_s <= 64) {
     a.d_s_pad = 64;
-    backward<T, 64>(a, p, dq, deterministic, stream);
+    if (a.d_t_pad == 64) {
+      backward<T, 64, 64>(a, p, dq, deterministic, stream);
+    } else {
+      backward<T, 64, 0>(a, p, dq, deterministic, stream);
+    }
   } else if (a.d_s <= 128) {
     a.d_s_pad = 128;
-    backward<T, 128>(a, p, dq, deterministic, stream);
+    if (a.d_t_pad == 128) {
+      backward<T, 128, 128>(a, p, dq, deterministic, stream);
+    } else {
+      backward<T, 128, 0>(a, p, dq, deterministic, stream);
+    }
   } else {
     a.d_s_pad = 256;
-    backward<T, 256>(a, p, dq, deterministic, stream);
+    if (a.d_t_pad == 256) {
+      backward<T, 256, 256>(a, p, dq, deterministic, stream);
+    } else {
+      backward<T, 256, 0>(a, p, dq, deterministic, stream);
+    }
   }
 }
 

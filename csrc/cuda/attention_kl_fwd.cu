@@ -78,10 +78,12 @@ struct TwoRowKL {
   }
 };
 
-template <typename T, bool kReverse>
+// kDs, kDt: the head dims padded to 16 when fixed at compile time (64, 128), else 0.
+template <typename T, bool kReverse, int kDs, int kDt>
 __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const AttentionArgs<T> a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int s_len = a.d_s_pad + kRowPad, t_len = a.d_t_pad + kRowPad;
+  const int d_s_pad = head_dim_pad<kDs>(a.d_s_pad), d_t_pad = head_dim_pad<kDt>(a.d_t_pad);
+  const int s_len = d_s_pad + kRowPad, t_len = d_t_pad + kRowPad;
   T* q_s = reinterpret_cast<T*>(smem);
   T* q_t = q_s + kBlockRows * s_len;
   T* k_s = q_t + kBlockRows * t_len;  // [2 stages]
@@ -105,14 +107,14 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
   const T* k_t_rows = a.rows(a.k_t, b, a.n_k, a.key_heads_t, a.key_head_t(h), 0, a.d_t);
   auto load_keys = [&](int tile, int stage) {
     const int j0 = tile * kBlockCols;
-    load_tile_async(k_s + stage * kBlockRows * s_len, a.d_s_pad, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0,
+    load_tile_async(k_s + stage * kBlockRows * s_len, d_s_pad, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0,
                     a.d_s);
-    load_tile_async(k_t + stage * kBlockRows * t_len, a.d_t_pad, k_t_rows + j0 * k_stride_t, k_stride_t, a.n_k - j0,
+    load_tile_async(k_t + stage * kBlockRows * t_len, d_t_pad, k_t_rows + j0 * k_stride_t, k_stride_t, a.n_k - j0,
                     a.d_t);
   };
   if (k_tiles > 0) {
-    load_tile_async(q_s, a.d_s_pad, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
-    load_tile_async(q_t, a.d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
+    load_tile_async(q_s, d_s_pad, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
+    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
     load_keys(0, 0);
     cp_async_commit();
   }
@@ -130,8 +132,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     }
     __syncthreads();
     ScoreAcc s, t;
-    warp_scores(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, a.d_s_pad);
-    warp_scores(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, a.d_t_pad);
+    warp_scores<kDs>(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, d_s_pad);
+    warp_scores<kDt>(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, d_t_pad);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < kColTiles; ++j) {
@@ -173,12 +175,22 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
   }
 }
 
+// The forward kernel for the direction and head dims: unrolled for 64 and 128 on either side.
+template <typename T, bool kReverse>
+auto forward_kernel(int d_s_pad, int d_t_pad) -> void (*)(const AttentionArgs<T>) {
+  if (d_s_pad == 64 && d_t_pad == 64) return &attention_kl_fwd_kernel<T, kReverse, 64, 64>;
+  if (d_s_pad == 64 && d_t_pad == 128) return &attention_kl_fwd_kernel<T, kReverse, 64, 128>;
+  if (d_s_pad == 128 && d_t_pad == 64) return &attention_kl_fwd_kernel<T, kReverse, 128, 64>;
+  if (d_s_pad == 128 && d_t_pad == 128) return &attention_kl_fwd_kernel<T, kReverse, 128, 128>;
+  return &attention_kl_fwd_kernel<T, kReverse, 0, 0>;
+}
+
 }  // namespace
 
 template <typename T>
 void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t smem = 3 * (tile_bytes<T>(a.d_s_pad) + tile_bytes<T>(a.d_t_pad));  // q, and 2 stages of k
-  auto* kernel = a.reverse ? &attention_kl_fwd_kernel<T, true> : &attention_kl_fwd_kernel<T, false>;
+  auto* kernel = a.reverse ? forward_kernel<T, true>(a.d_s_pad, a.d_t_pad) : forward_kernel<T, false>(a.d_s_pad, a.d_t_pad);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = a.batch * a.heads * ((a.n_q + kBlockRows - 1) / kBlockRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);

@@ -60,13 +60,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 // acc = a[16 rows] . b[64 rows]^T over d_pad: the warp's scores against a tile. `a` points at
-// the warp's first row; both operands have rows of d_pad + kRowPad elements.
-template <typename T>
+// the warp's first row; both operands have rows of d_pad + kRowPad elements. kDPad > 0 fixes
+// d_pad at compile time (the tuned head dims), so the k-loop unrolls and loads run ahead.
+template <int kDPad, typename T>
 __device__ __forceinline__ void warp_scores(ScoreAcc& acc, const T* a, const T* b, int d_pad) {
   const int lane = threadIdx.x % 32, stride = d_pad + kRowPad;
 #pragma unroll
   for (int j = 0; j < kColTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  for (int kk = 0; kk < d_pad; kk += 16) {
+  auto k_step = [&](int kk) {
     uint32_t af[4];
     ldmatrix_x4(af, a + (lane % 16) * stride + kk + (lane / 16) * 8);
 #pragma unroll
@@ -76,7 +77,19 @@ __device__ __forceinline__ void warp_scores(ScoreAcc& acc, const T* a, const T* 
       mma_16816<T>(acc[j], af, bf[0], bf[1]);
       mma_16816<T>(acc[j + 1], af, bf[2], bf[3]);
     }
+  };
+  if constexpr (kDPad > 0) {
+#pragma unroll
+    for (int kk = 0; kk < kDPad; kk += 16) k_step(kk);
+  } else {
+    for (int kk = 0; kk < d_pad; kk += 16) k_step(kk);
   }
+}
+
+// A head dim fixed at compile time (kD > 0) or read from the arguments (kD = 0).
+template <int kD>
+__device__ __forceinline__ int head_dim_pad(int runtime_pad) {
+  return kD > 0 ? kD : runtime_pad;
 }
 
 template <typename T>
