@@ -15,6 +15,31 @@ from helpers import GQA, KINDS, check_attention, make_attention
 pytestmark = CUDA
 
 
+def launched_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("forced_sm80", [False, True])
+def test_forward_kernel_family(monkeypatch, forced_sm80):
+    # Hopper with the sm_90a build runs the TMA + wgmma forward; NITROBREW_FORCE_SM80=1 (and any
+    # other GPU) the mma.sync one, which the whole file then covers (tools/gpu_check.sh test_sm80).
+    if forced_sm80:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    q_s, k_s, q_t, k_t, _ = cuda_attention()
+    names = launched_kernels(lambda: nitrobrew.attention_kl(q_s, k_s, q_t, k_t))
+    hopper = sum("attention_kl_fwd_hopper_kernel" in n for n in names)
+    mma = sum("attention_kl_fwd_kernel" in n for n in names)
+    if torch.cuda.get_device_capability() == (9, 0) and not forced_sm80:
+        assert hopper == 1 and mma == 0, names
+    else:
+        assert hopper == 0 and mma == 1, names
+
+
 def cuda_attention(**kwargs):
     kwargs.setdefault("dtype", torch.bfloat16)
     return make_attention(device="cuda", **kwargs)

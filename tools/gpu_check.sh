@@ -38,7 +38,9 @@ for step in $steps; do
       run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
     sanitize_attention)
       run memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
-      run racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py ;;
+      run racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
+      run memcheck_attention_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
+      run racecheck_attention_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
   esac

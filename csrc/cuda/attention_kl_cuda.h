@@ -61,6 +61,12 @@ struct AttentionArgs {
 template <typename T>
 void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream);
 
+// The same on Hopper with the sm_90a kernel (TMA + wgmma, attention_kl_hopper.cu); the inputs in
+// kernel layout (contiguous [B, N, H, D], D % 8 == 0). Only where use_sm90a_kernels() (tma.h).
+template <typename T>
+void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
+                                        const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
+
 // Backward: fills a.dk and dq (a.dq points into it), with atomics into float32 chunks of dq, or
 // with the deterministic dq kernel.
 template <typename T>

@@ -8,75 +8,13 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
-#include <limits>
 
-#include "../row_stats.h"
 #include "attention_tiles.cuh"
 
 namespace nitrobrew {
 namespace cuda {
 namespace attention {
 namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The one-pass KL states of the two rows a thread holds (rows l/4 and l/4 + 8 of its warp),
-// each kept relative to a max shared by the row's 4 lanes so that their partial sums add.
-struct TwoRowKL {
-  float max_w[2] = {kNegInf, kNegInf}, sum_w[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
-  float max_o[2] = {kNegInf, kNegInf}, sum_o[2] = {0.f, 0.f};
-
-  // Folds a tile of scaled student and teacher scores s, t. The distribution w weighting the KL
-  // is the teacher's for forward KL and the student's for reverse KL (kReverse); o is the other
-  // one. kMasked: entries where visible(j, e) is false are skipped.
-  template <bool kReverse, bool kMasked, typename Visible>
-  __device__ __forceinline__ void fold(const ScoreAcc& s, const ScoreAcc& t, Visible visible) {
-    const ScoreAcc& w = kReverse ? s : t;
-    const ScoreAcc& o = kReverse ? t : s;
-    float tile_max_w[2] = {kNegInf, kNegInf}, tile_max_o[2] = {kNegInf, kNegInf};
-#pragma unroll
-    for (int j = 0; j < kColTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (kMasked && !visible(j, e)) continue;
-        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], w[j][e]);
-        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], o[j][e]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // every lane shuffles, before any row-dependent branch
-      tile_max_w[r] = quad_max(tile_max_w[r]);
-      tile_max_o[r] = quad_max(tile_max_o[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (tile_max_w[r] == kNegInf) continue;  // nothing visible in this row of the tile
-      const float new_w = fmaxf(max_w[r], tile_max_w[r]), new_o = fmaxf(max_o[r], tile_max_o[r]);
-      const float keep_w = rescale(max_w[r], new_w), keep_o = rescale(max_o[r], new_o);
-      sum_w[r] *= keep_w;
-      a[r] *= keep_w;
-      sum_o[r] *= keep_o;
-      max_w[r] = new_w;
-      max_o[r] = new_o;
-    }
-    // exp(x - max) as 2^(x log2e - max log2e): one FMA before the special-function unit (the
-    // product is exact inside the FMA, so entries at the max give 2^(rounding of max log2e)).
-    const float max_w2[2] = {max_w[0] * kLog2e, max_w[1] * kLog2e};
-    const float max_o2[2] = {max_o[0] * kLog2e, max_o[1] * kLog2e};
-#pragma unroll
-    for (int j = 0; j < kColTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        if (kMasked && !visible(j, e)) continue;
-        const float ew = exp2_approx(fmaf(w[j][e], kLog2e, -max_w2[r]));
-        sum_w[r] += ew;
-        a[r] = fmaf(ew, w[j][e] - o[j][e], a[r]);
-        sum_o[r] += exp2_approx(fmaf(o[j][e], kLog2e, -max_o2[r]));
-      }
-    }
-  }
-};
 
 // kDs, kDt: the head dims padded to 16 when fixed at compile time (64, 128), else 0.
 template <typename T, bool kReverse, int kDs, int kDt>
@@ -147,32 +85,16 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     const int col0 = j0 + 2 * (lane % 4);
     const bool masked = a.key_mask != nullptr || j0 + kBlockCols > a.n_k ||
                         (a.causal && j0 + kBlockCols - 1 > a.last_key(i0));
+    const ScoreTile s_tile{s}, t_tile{t};
     if (masked) {
       state.fold<kReverse, true>(
-          s, t, [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
+          s_tile, t_tile, [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
     } else {
-      state.fold<kReverse, false>(s, t, [](int, int) { return true; });
+      state.fold<kReverse, false>(s_tile, t_tile, [](int, int) { return true; });
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum_w = quad_sum(state.sum_w[r]), sum_o = quad_sum(state.sum_o[r]), a_sum = quad_sum(state.a[r]);
-    const int i = row0 + 8 * r;
-    if (lane % 4 != 0 || i >= a.n_q) continue;
-    const int64_t row = bh * a.n_q + i;
-    float* stats = a.row_stats + row * kNumAttentionRowStats;
-    if (state.max_w[r] == kNegInf) {  // the row sees no key: zero loss and statistics
-      a.loss[row] = 0.f;
-      for (int c = 0; c < kNumAttentionRowStats; ++c) stats[c] = 0.f;
-      continue;
-    }
-    KLState<float> kl;
-    kl.w = {state.max_w[r], sum_w};
-    kl.o = {state.max_o[r], sum_o};
-    kl.a = a_sum;
-    a.loss[row] = store_kl_row(finish_kl_row(kl, kReverse), stats);
-  }
+  state.write_rows<kReverse>(a, bh, row0, lane);
 }
 
 // The forward kernel for the direction and head dims: unrolled for 64 and 128 on either side.

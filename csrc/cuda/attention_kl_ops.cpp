@@ -13,6 +13,7 @@
 
 #include "../attention_kl_params.h"
 #include "attention_kl_cuda.h"
+#include "tma.h"
 
 namespace nitrobrew {
 namespace cuda {
@@ -94,16 +95,21 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_fwd_cuda(const at::Tensor& q_s, 
   const KernelInputs in(q_s, k_s, q_t, k_t, key_mask);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int d_s_pad = round_up(static_cast<int>(in.q_s.size(3)), 16);
+  // Hopper with the sm_90a build: TMA + wgmma; elsewhere (or NITROBREW_FORCE_SM80=1) mma.sync.
+  const bool hopper = use_sm90a_kernels();
+  auto launch = [&](auto a) {
+    a.loss = loss.data_ptr<float>();
+    a.row_stats = row_stats.data_ptr<float>();
+    if (hopper) {
+      launch_attention_kl_forward_hopper(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
+    } else {
+      launch_attention_kl_forward(a, stream);
+    }
+  };
   if (q_s.scalar_type() == at::kBFloat16) {
-    auto a = in.args<__nv_bfloat16>(p, d_s_pad);
-    a.loss = loss.data_ptr<float>();
-    a.row_stats = row_stats.data_ptr<float>();
-    launch_attention_kl_forward(a, stream);
+    launch(in.args<__nv_bfloat16>(p, d_s_pad));
   } else {
-    auto a = in.args<__half>(p, d_s_pad);
-    a.loss = loss.data_ptr<float>();
-    a.row_stats = row_stats.data_ptr<float>();
-    launch_attention_kl_forward(a, stream);
+    launch(in.args<__half>(p, d_s_pad));
   }
   return {loss, row_stats};
 }

@@ -11,6 +11,7 @@
 // dim, so the products over d_pad equal those over the true head dim.
 #pragma once
 
+#include "../row_stats.h"
 #include "attention_kl_cuda.h"
 #include "tile_gemm.cuh"
 
@@ -18,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <limits>
 
 namespace nitrobrew {
 namespace cuda {
@@ -155,6 +157,101 @@ __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The one-pass KL states of the two rows a thread holds (rows l/4 and l/4 + 8 of its warp),
+// each kept relative to a max shared by the row's 4 lanes so that their partial sums add.
+struct TwoRowKL {
+  float max_w[2] = {kNegInf, kNegInf}, sum_w[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+  float max_o[2] = {kNegInf, kNegInf}, sum_o[2] = {0.f, 0.f};
+
+  // Folds a tile of scaled student and teacher scores s, t (kNTiles n-tiles of 8 columns, read
+  // with .at(j, e)). The distribution w weighting the KL is the teacher's for forward KL and the
+  // student's for reverse KL (kReverse); o is the other one. kMasked: entries where
+  // visible(j, e) is false are skipped.
+  template <bool kReverse, bool kMasked, typename S, typename U, typename Visible>
+  __device__ __forceinline__ void fold(const S& s, const U& t, Visible visible) {
+    static_assert(S::kNTiles == U::kNTiles, "student and teacher tiles differ in width");
+    constexpr int kN = S::kNTiles;
+    auto w = [&](int j, int e) { return kReverse ? s.at(j, e) : t.at(j, e); };
+    auto o = [&](int j, int e) { return kReverse ? t.at(j, e) : s.at(j, e); };
+    float tile_max_w[2] = {kNegInf, kNegInf}, tile_max_o[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (kMasked && !visible(j, e)) continue;
+        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], w(j, e));
+        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], o(j, e));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // every lane shuffles, before any row-dependent branch
+      tile_max_w[r] = quad_max(tile_max_w[r]);
+      tile_max_o[r] = quad_max(tile_max_o[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (tile_max_w[r] == kNegInf) continue;  // nothing visible in this row of the tile
+      const float new_w = fmaxf(max_w[r], tile_max_w[r]), new_o = fmaxf(max_o[r], tile_max_o[r]);
+      const float keep_w = rescale(max_w[r], new_w), keep_o = rescale(max_o[r], new_o);
+      sum_w[r] *= keep_w;
+      a[r] *= keep_w;
+      sum_o[r] *= keep_o;
+      max_w[r] = new_w;
+      max_o[r] = new_o;
+    }
+    // exp(x - max) as 2^(x log2e - max log2e): one FMA before the special-function unit (the
+    // product is exact inside the FMA, so entries at the max give 2^(rounding of max log2e)).
+    const float max_w2[2] = {max_w[0] * kLog2e, max_w[1] * kLog2e};
+    const float max_o2[2] = {max_o[0] * kLog2e, max_o[1] * kLog2e};
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        if (kMasked && !visible(j, e)) continue;
+        const float wv = w(j, e), ov = o(j, e);  // one read each (a parked tile reads shared memory)
+        const float ew = exp2_approx(fmaf(wv, kLog2e, -max_w2[r]));
+        sum_w[r] += ew;
+        a[r] = fmaf(ew, wv - ov, a[r]);
+        sum_o[r] += exp2_approx(fmaf(ov, kLog2e, -max_o2[r]));
+      }
+    }
+  }
+
+  // Writes the losses and statistics of the thread's rows row0 and row0 + 8 of head bh (every
+  // lane takes part in the reductions; lane % 4 == 0 writes). Rows that see no key get zeros.
+  template <bool kReverse, typename T>
+  __device__ __forceinline__ void write_rows(const AttentionArgs<T>& args, int64_t bh, int row0, int lane) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float total_w = quad_sum(sum_w[r]), total_o = quad_sum(sum_o[r]), total_a = quad_sum(a[r]);
+      const int i = row0 + 8 * r;
+      if (lane % 4 != 0 || i >= args.n_q) continue;
+      const int64_t row = bh * args.n_q + i;
+      float* stats = args.row_stats + row * kNumAttentionRowStats;
+      if (max_w[r] == kNegInf) {
+        args.loss[row] = 0.f;
+        for (int c = 0; c < kNumAttentionRowStats; ++c) stats[c] = 0.f;
+        continue;
+      }
+      KLState<float> kl;
+      kl.w = {max_w[r], total_w};
+      kl.o = {max_o[r], total_o};
+      kl.a = total_a;
+      args.loss[row] = store_kl_row(finish_kl_row(kl, kReverse), stats);
+    }
+  }
+};
+
+// A [16 x 64] score tile of the mma.sync kernels, read as TwoRowKL::fold reads tiles.
+struct ScoreTile {
+  static constexpr int kNTiles = kColTiles;
+  const ScoreAcc& v;
+  __device__ __forceinline__ float at(int j, int e) const { return v[j][e]; }
+};
 
 // What the backward needs of one query row: its log-normalizers, gradient centre and
 // upstream gradient (times dscore/dq and the float16 range scale).

@@ -108,6 +108,17 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int3
       : "memory");
 }
 
+// The box at (column k, index i1, row) of a 3-D map into shared memory; completes on `bar`. (The
+// attention kernels read [B, N, H, D] tensors as (D, H, B * N) maps, one head per box.)
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int32_t k, int32_t i1, int32_t row,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(i1), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // The same load with an L2 cache policy (l2_evict_first, l2_evict_last): experiment l2_hints.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar,
                                          uint64_t policy) {
@@ -297,12 +308,14 @@ struct Loader {
 };
 
 // A consumer's view of the stage ring: waits for slabs, multiplies them, releases them. The
-// thread that owns the loader refills each stage as soon as it is released.
+// thread that owns the loader (Loader, or the attention kernel's) refills each stage as soon as
+// it is released.
+template <typename LoaderT>
 struct Ring {
   uint8_t* smem;
   uint64_t* full;
   uint64_t* empty;
-  Loader* loader;  // non-null in the producing thread only
+  LoaderT* loader;  // non-null in the producing thread only
   RingSlot slot;
   int pending = -1;  // stage whose wgmma group may still be reading it
 
@@ -374,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
   const ParkedTile zs_parked{park + threadIdx.x};
   Pass pass(a, rows, params);
-  Ring ring{smem, full, empty, threadIdx.x == 0 ? &loader : nullptr};
+  Ring<Loader> ring{smem, full, empty, threadIdx.x == 0 ? &loader : nullptr};
   // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
   // made the compiler keep both live, 256 registers, and spill.)
   WideAcc z;

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "hopper_gemm.cuh"
+#include "tma.h"
 
 namespace nitrobrew {
 namespace cuda {
@@ -173,6 +174,28 @@ LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end) {
 }
 
 }  // namespace
+
+bool use_sm90a_kernels() { return !forced_sm80() && sm90a_kernels_loaded(); }
+
+CUtensorMap head_tensor_map(const at::Tensor& t, int box_rows) {
+  TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(3) % 8 == 0 && t.size(0) * t.size(1) < (int64_t(1) << 31),
+              "nitrobrew: head_tensor_map needs a contiguous [B, N, H, D] tensor with D % 8 == 0");
+  CUtensorMap map;
+  const int64_t bytes = t.element_size();
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(t.size(2)),
+                              static_cast<cuuint64_t>(t.size(0) * t.size(1))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.size(3) * bytes),
+                                 static_cast<cuuint64_t>(t.size(2) * t.size(3) * bytes)};
+  const cuuint32_t box[3] = {hopper::kK, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = tensor_map_encoder()(
+      &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "nitrobrew: cuTensorMapEncodeTiled failed (", int(result), ")");
+  return map;
+}
+
 
 int experiment_flags() {
   const char* value = std::getenv("NITROBREW_EXPERIMENT");
