@@ -62,23 +62,16 @@ __device__ __forceinline__ void scale_scores(TileAcc<kN>& z, float c) {
   }
 }
 
-// Columns [8 kOff, 8 kOff + 64) of a wide tile, as TwoRowKL::fold reads tiles.
-template <typename Tile, int kOff>
-struct Slice {
-  static constexpr int kNTiles = kColTiles;
-  const Tile& tile;
-  __device__ __forceinline__ float at(int j, int e) const { return tile.at(j + kOff, e); }
-};
-
 // Folds a 256-column tile as four 64-column ones: the fold of one 256-wide tile kept ~1.4 KB of
 // temporaries live and spilled; the merge is associative, so the result is the same.
 template <bool kReverse, bool kMasked, int kOff = 0, typename Visible>
 __device__ __forceinline__ void fold_wide(TwoRowKL& state, const hopper::ParkedTile& s, const hopper::WideAcc& t,
                                           Visible visible) {
-  state.fold<kReverse, kMasked>(Slice<hopper::ParkedTile, kOff>{s}, Slice<hopper::WideAcc, kOff>{t},
+  using hopper::TileSlice;
+  state.fold<kReverse, kMasked>(TileSlice<hopper::ParkedTile, kOff>{s}, TileSlice<hopper::WideAcc, kOff>{t},
                                 [&](int j, int e) { return visible(j + kOff, e); });
-  if constexpr (kOff + kColTiles < hopper::WideAcc::kNTiles) {
-    fold_wide<kReverse, kMasked, kOff + kColTiles>(state, s, t, visible);
+  if constexpr (kOff + 8 < hopper::WideAcc::kNTiles) {
+    fold_wide<kReverse, kMasked, kOff + 8>(state, s, t, visible);
   }
 }
 

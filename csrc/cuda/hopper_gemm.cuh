@@ -254,6 +254,17 @@ struct ParkedTile {
   }
 };
 
+// Columns [8 kOff, 8 kOff + 64) of a consumer's 256-wide tile (parked or in registers), read like a
+// tile with .at(j, k). The attention kernel folds its tiles in such slices: folding a 256-wide
+// tile at once spilled 1.4 KB. (The fused-linear passes in slices lost their 360-byte spill but
+// ran 2% slower, benchmarks/NOTES.md, so they take whole tiles.)
+template <typename Tile, int kOff>
+struct TileSlice {
+  static constexpr int kNTiles = 8;
+  const Tile& tile;
+  __device__ __forceinline__ float at(int j, int k) const { return tile.at(j + kOff, k); }
+};
+
 // Ring position shared by the producer and the consumers: both walk the same sequence of slabs.
 struct RingSlot {
   int stage = 0;
