@@ -16,7 +16,22 @@
 namespace nitrobrew {
 namespace cuda {
 
-constexpr int kPartialFields = 8;  // KLPass's record: w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused
+constexpr int kPartialFields = 8;
+
+// The exponential of the passes' sums and gradients: for 16-bit inputs the special-function
+// unit's (__expf: ex2.approx after one multiply, a few ulp, where expf's range reduction takes
+// ~10 instructions per call); the gradients are rounded to 16 bits and the loss error is the
+// tensor-core logits' (benchmarks/NOTES.md). float32 inputs keep expf and their tighter accuracy.
+template <typename T>
+struct PassExp {
+  __device__ __forceinline__ float operator()(float x) const {
+    if constexpr (sizeof(T) == 2) {
+      return __expf(x);
+    } else {
+      return expf(x);
+    }
+  }
+};  // KLPass's record: w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
@@ -86,12 +101,12 @@ struct KLPass {
           const float z_s = zs.at(j, 2 * i + e), z_t = zt.at(j, 2 * i + e);
           const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
           const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
-          const float ew = exp_(w - part.w.m);
+          const float ew = PassExp<T>{}(w - part.w.m);
           part.w.l += ew;
           part.a += ew * (w - o);
-          part.o.l += exp_(o - part.o.m);
+          part.o.l += PassExp<T>{}(o - part.o.m);
           if (a.ce_weight != 0.f) {
-            ce_part.l += exp_(z_s - ce_part.m);
+            ce_part.l += PassExp<T>{}(z_s - ce_part.m);
             if (col == rows.label[i]) p.label_logit[rows.row[i]] = z_s;
           }
         }
@@ -241,9 +256,10 @@ struct GradPass {
           if (rows.valid[i] && col + e < a.vocab_size) {
             const float z = zs.at(j, 2 * i + e);
             const float s = scale_logit(z, inv_t), t = scale_logit(zt.at(j, 2 * i + e), inv_t);
-            dz[e] = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center) * inv_t;
+            dz[e] = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, PassExp<T>{}) *
+                    inv_t;
             if (a.ce_weight != 0.f) {
-              dz[e] += a.ce_weight * (exp_(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
+              dz[e] += a.ce_weight * (PassExp<T>{}(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
             }
             dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
           }
