@@ -1,5 +1,6 @@
-// The attention-KL ops on CUDA: input checks, the layout the kernels read, output allocation;
-// the kernels and their launchers are in attention_kl_fwd.cu and attention_kl_bwd.cu.
+// The attention-KL ops on CUDA: input checks, the layout the kernels read, output allocation, and
+// the choice of forward kernel; the kernels and their launchers are in attention_kl_hopper.cu
+// (sm_90a forward), attention_kl_fwd.cu (mma.sync forward) and attention_kl_bwd.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
