@@ -7,8 +7,8 @@
 With --breakdown, prints the GPU time of each kernel of one forward + backward instead
 (torch.profiler), to see where the time goes. --forward-only leaves out the backward;
 --repeats R also prints the median wall time of R runs and a checksum of the loss and the
-gradients (the inputs are seeded, so runs with different NITROBREW_EXPERIMENT flags, which
-must not change the results, can be compared; tools/bench_experiments.sh does).
+gradients (the inputs are seeded, so runs of kernel variants, which must not change the results,
+can be compared; tools/bench_experiments.sh does).
 """
 
 import argparse
@@ -57,7 +57,7 @@ def main():
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         print(f"N={args.tokens} V={args.vocab} Ds={args.d_student} Dt={args.d_teacher} bf16, {mode}, "
-              f"NITROBREW_EXPERIMENT='{os.environ.get('NITROBREW_EXPERIMENT', '')}': "
+              f"NITROBREW_FORCE_SM80='{os.environ.get('NITROBREW_FORCE_SM80', '')}': "
               f"median {statistics.median(times):.2f} ms, min {min(times):.2f} ms of {args.repeats}")
         xs.grad = ws.grad = None  # the gradients of one step, not of all steps so far
         loss = step()

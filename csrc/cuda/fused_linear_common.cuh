@@ -25,7 +25,6 @@ struct FusedLinearArgs {
   int64_t ignore_index;
   float inv_temperature, softcap_s, softcap_t, ce_weight;
   DivergenceParams<float> div;
-  int experiments;  // kExperiment* flags (fused_linear_cuda.h); 0 = the default kernels
 };
 
 template <typename T>
@@ -51,7 +50,6 @@ FusedLinearArgs<T> make_args(const at::Tensor& xs, const at::Tensor& xt, const a
   a.softcap_t = static_cast<float>(p.softcap_t);
   a.ce_weight = static_cast<float>(p.ce_weight);
   a.div = divergence_params<float>(p);
-  a.experiments = experiment_flags();
   return a;
 }
 

@@ -14,14 +14,6 @@ namespace cuda {
 // environment selects mma.sync everywhere, so the sm_80 kernels can be tested on Hopper.
 enum class KernelPath { kMmaSync, kWgmma };
 
-// Kernel experiments, off by default: NITROBREW_EXPERIMENT is a comma-separated set of their
-// names, read at every launch (benchmarks/NOTES.md, "What would close the gap", item 3).
-// The kernels get the set as FusedLinearArgs::experiments: a runtime flag, not a template.
-constexpr int kExperimentStreamDz = 1;  // "stream_dz": the sm_90a GradPass stores dz evict-first (st.global.cs)
-constexpr int kExperimentL2Hints = 2;   // "l2_hints": sm_90a TMA loads hint L2: X evict_last, W evict_first
-// The flags set in NITROBREW_EXPERIMENT (0 when unset or empty); an unknown name is an error.
-int experiment_flags();
-
 // Runs the passes of the fused-linear losses (fused_linear_passes.cuh) over the vocabulary
 // with the fastest kernel family that serves these inputs on the current device. The
 // operands must have unit-stride rows (unit_stride_rows).

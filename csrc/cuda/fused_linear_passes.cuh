@@ -192,27 +192,15 @@ struct MixturePass {
   }
 };
 
-// A plain store, or with `stream` an evict-first one (st.global.cs): experiment stream_dz, as
-// dz is written once and read back only by cuBLAS, while the kernel keeps re-reading X and W
-// through L2.
-template <typename V>
-__device__ __forceinline__ void store(V* dst, V v, bool stream) {
-  if (stream) {
-    __stcs(dst, v);
-  } else {
-    *dst = v;
-  }
-}
-
 // Stores two adjacent entries at an address aligned to both (a packed 16-bit pair or float2).
 template <typename T>
-__device__ __forceinline__ void store_pair(T* dst, float a, float b, bool stream) {
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
   if constexpr (std::is_same_v<T, float>) {
-    store(reinterpret_cast<float2*>(dst), make_float2(a, b), stream);
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    store(reinterpret_cast<__nv_bfloat162*>(dst), __floats2bfloat162_rn(a, b), stream);
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
   } else {
-    store(reinterpret_cast<__half2*>(dst), __floats2half2_rn(a, b), stream);
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
   }
 }
 
@@ -234,11 +222,6 @@ struct GradPass {
                                        const ZS& zs, const ZT& zt) {
     constexpr int kN = ZT::kNTiles;
     const float inv_t = a.inv_temperature;
-    // Experiment stream_dz exists in the sm_90a kernel only, the one whose student tile (ZS) is
-    // parked in shared memory: in the mma.sync kernel any second store path, even a plain one,
-    // made ptxas use up to 32 more registers (a block fewer per SM) with the experiment off.
-    constexpr bool kStreamable = !std::is_same_v<ZS, ZT>;
-    const bool stream = kStreamable && (a.experiments & kExperimentStreamDz) != 0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (rows.row[i] >= a.n_rows) continue;
@@ -266,9 +249,9 @@ struct GradPass {
         }
         const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
         if (col + 1 < chunk_end) {
-          store_pair(out + col, dz[0], dz[1], stream);  // one 4- or 8-byte store: half the store instructions
+          store_pair(out + col, dz[0], dz[1]);  // one 4- or 8-byte store: half the store instructions
         } else if (col < chunk_end) {
-          store(out + col, from_float<T>(dz[0]), stream);
+          out[col] = from_float<T>(dz[0]);
         }
       }
     }

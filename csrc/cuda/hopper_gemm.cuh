@@ -119,29 +119,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// The same load with an L2 cache policy (l2_evict_first, l2_evict_last): experiment l2_hints.
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar,
-                                         uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-
-// L2 eviction policies covering all of an access (fraction 1.0). Made where they are used
-// (volatile: not hoisted into registers that live through the whole kernel).
-__device__ __forceinline__ uint64_t l2_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ uint64_t l2_evict_last() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
 // wgmma shared-memory descriptor of a K-major operand in 64-byte-swizzled rows (as TMA wrote
 // them): 8-row groups 512 bytes apart (SBO); the leading offset is unused for this layout.
 // Advancing K by 16 values adds 32 bytes, i.e. 2 to the encoded start address.
@@ -287,7 +264,6 @@ struct Loader {
   int32_t row0;
   int64_t tile, last;
   int k_slabs_s, k_slabs_t;
-  bool l2_hints;  // experiment l2_hints (kExperimentL2Hints)
   int teacher = 0, ks = 0;
   RingSlot slot;
 
@@ -300,15 +276,8 @@ struct Loader {
     const int32_t v0 = static_cast<int32_t>(tile * kCols);
     const CUtensorMap* x = teacher ? &maps->xt : &maps->xs;
     const CUtensorMap* w = teacher ? &maps->wt : &maps->ws;
-    if (l2_hints) {
-      // Every vocabulary tile of the block re-reads the X rows; a W tile serves the row blocks
-      // running together (BlockOrder) and is next needed only by the following group.
-      tma_load(stage, x, ks * kK, row0, &full[slot.stage], l2_evict_last());
-      tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage], l2_evict_first());
-    } else {
-      tma_load(stage, x, ks * kK, row0, &full[slot.stage]);
-      tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage]);
-    }
+    tma_load(stage, x, ks * kK, row0, &full[slot.stage]);
+    tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage]);
     slot.advance();
     if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
       ks = 0;
@@ -390,8 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_slabs_s = static_cast<int>((a.d_s + kK - 1) / kK), k_slabs_t = static_cast<int>((a.d_t + kK - 1) / kK);
   const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
-  const bool l2_hints = (a.experiments & kExperimentL2Hints) != 0;
-  Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t, l2_hints};
+  Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t};
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) loader.load_next();  // fill the ring
   }

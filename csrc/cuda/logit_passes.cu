@@ -7,8 +7,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
-#include <string>
 #include <unordered_map>
 
 #include "hopper_gemm.cuh"
@@ -196,23 +194,6 @@ CUtensorMap head_tensor_map(const at::Tensor& t, int box_rows) {
   return map;
 }
 
-
-int experiment_flags() {
-  const char* value = std::getenv("NITROBREW_EXPERIMENT");
-  std::istringstream names(value != nullptr ? value : "");
-  int flags = 0;
-  for (std::string name; std::getline(names, name, ',');) {
-    if (name == "stream_dz") {
-      flags |= kExperimentStreamDz;
-    } else if (name == "l2_hints") {
-      flags |= kExperimentL2Hints;
-    } else {  // a typo would silently time the default kernels
-      TORCH_CHECK(name.empty(), "nitrobrew: unknown NITROBREW_EXPERIMENT flag '", name,
-                  "' (known: stream_dz, l2_hints)");
-    }
-  }
-  return flags;
-}
 
 LogitTilePasses::LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                  const at::Tensor& wt, const c10::optional<at::Tensor>& labels,

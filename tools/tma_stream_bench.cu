@@ -1,0 +1,234 @@
+// How fast the copy engine (TMA) streams the fused-linear kernel's operand slabs into the SMs
+// with no math at all: the bound on the sm_90a logit kernel if it were limited by loads alone.
+// Blocks walk the same (row block, vocabulary split) order and slab sequence as the KL pass at
+// N = 8192 on the reference shape (X [8192 x 8704], W [152064 x 8704] bf16: the student's and
+// the teacher's K back to back), for two row widths of the slabs:
+//   32 columns (64-byte rows, 64-byte swizzle): what the kernel loads;
+//   64 columns (128-byte rows, 128-byte swizzle): what cuBLAS loads.
+// One thread produces into a ring of shared-memory stages and one thread consumes. With no
+// hold, the consumer releases each slab as soon as it lands, so the ring is never held by math.
+// With a hold of C clocks it behaves as the logit kernel's consumers do when the tensor cores
+// take C clocks per slab: it keeps two stages (the slab being multiplied and the one queued
+// behind it), and releases a slab only after "multiplying" it (spinning C clocks). 490 clocks is
+// a 128 x 256 x 32 slab at the H100's dense bf16 peak. Standalone (no torch):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/tma_stream_bench.cu -o tma_stream_bench
+//   ./tma_stream_bench [repeats]
+// Prints CSV: row width, slab columns, stages, ring size, median ms, GB/s of slabs delivered.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                  \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+constexpr int kRows = 128, kCols = 256;
+constexpr int kN = 8192, kV = 152064, kD = 3584 + 5120;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_loop:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_loop;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int32_t k, int32_t row,
+                                                   uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar)), "h"(mask)
+      : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// Grid: row_blocks x splits blocks in the KL pass's order (groups of 8 row blocks), each
+// streaming tiles_per_split tiles of k_slabs slabs of kK columns.
+template <int kK, int kSmemRing, bool kMulticast, int kHold>
+__global__ void __launch_bounds__(64, 1)
+    stream_kernel(const __grid_constant__ CUtensorMap x, const __grid_constant__ CUtensorMap w, int row_blocks,
+                  int splits, int tiles_per_split, int vocab_tiles, int k_slabs) {
+  constexpr int kStageBytes = (kRows + kCols) * kK * 2;
+  constexpr int kStages = kSmemRing / kStageBytes;
+  extern __shared__ uint8_t raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full[kStages], empty[kStages];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&empty[s])), "r"(kMulticast ? 2 : 1));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster_sync();
+  // With kMulticast, blocks 2c and 2c + 1 form a cluster: two row blocks of one split, each
+  // loading its own X slab and half of the shared W slab for both.
+  const int unit = kMulticast ? blockIdx.x / 2 : blockIdx.x, rank = kMulticast ? blockIdx.x % 2 : 0;
+  const int units = kMulticast ? row_blocks / 2 : row_blocks, group = kMulticast ? 4 : 8, per_group = group * splits;
+  const int g = unit / per_group, r = unit % per_group;
+  const int rows_here = min(group, units - g * group);
+  const int row_block = (g * group + r % rows_here) * (kMulticast ? 2 : 1) + rank, split = r / rows_here;
+  const int first = split * tiles_per_split, last = min(vocab_tiles, first + tiles_per_split);
+  const int total = (last - first) * k_slabs;
+  if (threadIdx.x == 0) {  // producer
+    for (int i = 0, stage = 0, phase = 0; i < total; ++i) {
+      mbar_wait(&empty[stage], phase ^ 1);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&full[stage])),
+                   "r"(kStageBytes)
+                   : "memory");
+      const int tile = first + i / k_slabs, ks = i % k_slabs;
+      uint8_t* dst = smem + stage * kStageBytes;
+      tma_load(dst, &x, ks * kK, row_block * kRows, &full[stage]);
+      if (kMulticast) {
+        tma_load_multicast(dst + kRows * kK * 2 + rank * (kCols / 2) * kK * 2, &w, ks * kK,
+                           tile * kCols + rank * (kCols / 2), &full[stage], 3);
+      } else {
+        tma_load(dst + kRows * kK * 2, &w, ks * kK, tile * kCols, &full[stage]);
+      }
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  } else if (threadIdx.x == 32) {  // consumer
+    auto release = [&](int stage) {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&empty[stage])) : "memory");
+      if (kMulticast) {  // the peer's producer writes this stage too
+        uint32_t remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(&empty[stage])), "r"(rank ^ 1));
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+      }
+    };
+    int previous = -1;
+    for (int i = 0, stage = 0, phase = 0; i < total; ++i) {
+      mbar_wait(&full[stage], phase);
+      if (kHold == 0) {
+        release(stage);
+      } else {
+        const long long t0 = clock64();
+        while (clock64() - t0 < kHold) {
+        }
+        if (previous >= 0) release(previous);
+        previous = stage;
+      }
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    if (previous >= 0) release(previous);
+  }
+  cluster_sync();  // the peer may still write into this block's shared memory
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+}
+
+CUtensorMap make_map(void* base, uint64_t rows, uint32_t box_rows, uint32_t box_k, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {kD, rows};
+  const cuuint64_t strides[1] = {kD * 2};
+  const cuuint32_t box[2] = {box_k, box_rows};
+  const cuuint32_t estrides[2] = {1, 1};
+  CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, estrides,
+                         CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", int(r));
+    std::exit(1);
+  }
+  return map;
+}
+
+template <int kK, int kSmemRing, bool kMulticast, int kHold = 0>
+void run(void* x, void* w, int repeats, CUtensorMapSwizzle swizzle, const char* name) {
+  const CUtensorMap xm = make_map(x, kN, kRows, kK, swizzle),
+                    wm = make_map(w, kV, kMulticast ? kCols / 2 : kCols, kK, swizzle);
+  const int row_blocks = kN / kRows, vocab_tiles = (kV + kCols - 1) / kCols, splits = 33;
+  const int tiles_per_split = (vocab_tiles + splits - 1) / splits, k_slabs = kD / kK;
+  const int smem = kSmemRing + 1024;
+  CHECK(cudaFuncSetAttribute(stream_kernel<kK, kSmemRing, kMulticast, kHold>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i <= repeats; ++i) {
+    CHECK(cudaEventRecord(a));
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(row_blocks * splits);
+    config.blockDim = dim3(64);
+    config.dynamicSmemBytes = smem;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kMulticast ? 2 : 1;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    CHECK(cudaLaunchKernelEx(&config, stream_kernel<kK, kSmemRing, kMulticast, kHold>, xm, wm, row_blocks, splits,
+                             tiles_per_split, vocab_tiles, k_slabs));
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (i > 0) ms.push_back(t);  // the first run warms up
+  }
+  CHECK(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  const double bytes = double(row_blocks) * vocab_tiles * (kRows + kCols) * double(kD) * 2;
+  const double med = ms[ms.size() / 2];
+  std::printf("%s,%s,%d,%d,%d,%d,%.3f,%.0f\n", name, kMulticast ? "2-block W multicast" : "none", kHold, kK, kSmemRing / ((kRows + kCols) * kK * 2), kSmemRing / 1024, med,
+              bytes / med / 1e6);
+}
+
+int main(int argc, char** argv) {
+  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
+  void *x, *w;
+  CHECK(cudaMalloc(&x, size_t(kN) * kD * 2));
+  CHECK(cudaMalloc(&w, size_t(kV) * kD * 2));
+  CHECK(cudaMemset(x, 0, size_t(kN) * kD * 2));
+  CHECK(cudaMemset(w, 0, size_t(kV) * kD * 2));
+  std::printf("rows,cluster,hold_clocks,slab_cols,stages,ring_kib,median_ms,GB_per_s\n");
+  // The kernel's ring (4 x 24 KB, the rest of shared memory holds the parked student tile), and
+  // the 192 KB ring of a kernel without a parked tile, for both row widths.
+  run<32, 96 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<32, 192 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 192 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  // Pairs of row blocks sharing each W slab: each block draws 2/3 of the bytes from L2.
+  run<32, 96 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 192 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  // Consumers that hold each slab for its multiplication time at the tensor cores' peak.
+  run<32, 96 * 1024, false, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 96 * 1024, true, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 192 * 1024, false, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 192 * 1024, true, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, true, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 192 * 1024, false, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 192 * 1024, true, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  return 0;
+}
