@@ -38,12 +38,18 @@ constexpr int kRows = 128;      // block tile rows: 2 consumer warpgroups x 64
 constexpr int kCols = 256;      // vocabulary entries per tile (the wgmma N; 192 with 6 stages was 8% slower)
 constexpr int kK = 32;          // K per slab: 32 16-bit values = one 64-byte swizzle row
 constexpr int kStages = 4;      // shared-memory ring depth
-// 2 warpgroups, both consumers; thread 0 also produces. 256 threads (2 warps per SM
-// sub-partition) may use 255 registers each; the 128-register accumulator and the pass need
-// ~200. (A dedicated producer warp or warpgroup puts 3 warps on a sub-partition, which caps
-// every thread at 168 registers and spilled; ptxas did not lift the cap after setmaxnreg.)
+// 2 consumer warpgroups. In the attention kernel thread 0 also produces: 256 threads (2 warps
+// per SM sub-partition) may use 255 registers each; the 128-register accumulator and the pass
+// need ~200.
 constexpr int kThreads = 256;
 constexpr int kConsumerWarps = 8;
+// The logit kernel adds a producer warpgroup (whose thread 0 alone loads), so that loads are
+// never held up by the consumers' math: a copy-only model of the kernel
+// (tools/tma_stream_bench.cu) streams its slabs at the speed the kernel had with thread 0
+// producing. Its 3 warps per sub-partition start at 168 registers each; setmaxnreg then moves
+// the producer's to the consumers (240 each, the KL pass spilling ~350 bytes as with 255).
+constexpr int kProducerThreads = 128;
+constexpr int kLogitThreads = kProducerThreads + kThreads;
 constexpr int kXSlabBytes = kRows * kK * 2;
 constexpr int kWSlabBytes = kCols * kK * 2;
 constexpr int kStageBytes = kXSlabBytes + kWSlabBytes;
@@ -334,7 +340,7 @@ struct Ring {
 };
 
 template <typename T, typename Pass>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kLogitThreads, 1)
     hopper_logit_kernel(const __grid_constant__ TensorMaps maps, FusedLinearArgs<T> a, BlockOrder order,
                         VocabSchedule sched, typename Pass::Params params) {
 #if NITROBREW_SM90A_DEVICE
@@ -357,28 +363,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t row0 = row_block * kRows;
   const int64_t first = sched.begin(split), last = sched.end(split);
   const int k_slabs_s = static_cast<int>((a.d_s + kK - 1) / kK), k_slabs_t = static_cast<int>((a.d_t + kK - 1) / kK);
-  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
-  Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) loader.load_next();  // fill the ring
+  // Each role is one branch, so that ptxas honours setmaxnreg: the producer warpgroup gives its
+  // registers to the consumers. The counts must fit the block's launch allocation, 12 warps x
+  // 168 (8 x 240 + 4 x 24 does exactly); a consumer asking for more would wait forever.
+  if (threadIdx.x < kProducerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t};
+      while (loader.tile < last) loader.load_next();  // waits for each stage's release
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int thread = threadIdx.x - kProducerThreads;
+    const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+    const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
+    const ParkedTile zs_parked{park + thread};
+    Pass pass(a, rows, params);
+    Ring<Loader> ring{smem, full, empty, nullptr};
+    // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
+    // made the compiler keep both live, 256 registers, and spill.)
+    WideAcc z;
+    for (int64_t tile = first; tile < last; ++tile) {
+      ring.multiply<T>(z, k_slabs_s, consumer, lane);
+      apply_softcap(z, a.softcap_s);
+      zs_parked.park(z);
+      ring.multiply<T>(z, k_slabs_t, consumer, lane);
+      apply_softcap(z, a.softcap_t);
+      pass.tile(a, rows, tile * kCols, zs_parked, z);
+    }
+    pass.finish(a, rows, split);
   }
-  const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
-  const ParkedTile zs_parked{park + threadIdx.x};
-  Pass pass(a, rows, params);
-  Ring<Loader> ring{smem, full, empty, threadIdx.x == 0 ? &loader : nullptr};
-  // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
-  // made the compiler keep both live, 256 registers, and spill.)
-  WideAcc z;
-  for (int64_t tile = first; tile < last; ++tile) {
-    ring.multiply<T>(z, k_slabs_s, consumer, lane);
-    apply_softcap(z, a.softcap_s);
-    zs_parked.park(z);
-    ring.multiply<T>(z, k_slabs_t, consumer, lane);
-    apply_softcap(z, a.softcap_t);
-    pass.tile(a, rows, tile * kCols, zs_parked, z);
-  }
-  pass.finish(a, rows, split);
 #endif
 }
 
