@@ -3,19 +3,19 @@
 // this path only where the loaded binary is sm_90a, see logit_passes.cu).
 //
 // A block computes 128-row x 256-vocabulary logit tiles of the student and the teacher:
-//   producer (thread 0, Loader): streams 32-wide K slabs of X (128 rows) and W (256 rows)
-//     into a ring of kStages shared-memory stages with cp.async.bulk.tensor (TMA, 64-byte
-//     swizzle); each stage has a "full" mbarrier (TMA bytes landed) and an "empty" one
-//     (consumers are done), and is refilled as soon as both consumers release it;
-//   warpgroups 0, 1 (consumers): each multiplies its 64 rows of the X slab by the W slab with
+//   warpgroup 0 (producer; its thread 0 alone, Loader): streams 32-wide K slabs of X (128 rows)
+//     and W (256 rows) into a ring of kStages shared-memory stages with cp.async.bulk.tensor
+//     (TMA, 64-byte swizzle); each stage has a "full" mbarrier (TMA bytes landed) and an
+//     "empty" one (consumers are done), and is refilled as soon as both consumers release it;
+//   warpgroups 1, 2 (consumers): each multiplies its 64 rows of the X slab by the W slab with
 //     wgmma.m64n256k16 into float32 accumulators in registers: first the student tile, which
 //     it then parks in shared memory (ParkedTile), then the teacher tile in the same
 //     registers; the pass (fused_linear_passes.cuh) reads both while the producer already
 //     streams the next tile's slabs.
 // Why park: the two logit tiles must both exist when a tile is folded, and registers hold only
 // 128 x 128 of each. Parking the student tile (128 KB) allows 128 x 256 tiles, which ran 5%
-// faster than 128 x 128 ones with both tiles in registers. Either way the tensor cores are busy
-// only ~45% of the time; benchmarks/NOTES.md has the measurements and the variants tried.
+// faster than 128 x 128 ones with both tiles in registers. benchmarks/NOTES.md has the
+// measurements and the variants tried.
 // A wgmma accumulator of 64 x 256 has, per warp, the register layout of 32 mma.m16n8 tiles
 // (tile_gemm.cuh), so the passes serve both paths unchanged.
 #pragma once
