@@ -1,8 +1,9 @@
 // Attention-KL forward on Hopper (sm_90a): the fused-linear losses' TMA + wgmma machinery
 // (hopper_gemm.cuh) with queries in the role of the hidden states and keys in the role of the
-// vocabulary. A block of two consumer warpgroups owns 128 query rows of one head; thread 0
-// streams 32-wide head-dim slabs of the query tile and of 256-key tiles of both models into the
-// stage ring (3-D TMA boxes straight from the [B, N, H, D] tensors); each warpgroup multiplies
+// vocabulary. A block owns 128 query rows of one head: thread 0 of a producer warpgroup streams
+// 32-wide head-dim slabs of the query tile and of 256-key tiles of both models into the stage
+// ring (3-D TMA boxes straight from the [B, N, H, D] tensors); each of two consumer warpgroups
+// multiplies
 // its 64 rows with wgmma.m64n256k16, parks the student's scores in shared memory while the
 // teacher's occupy the registers, and folds both into the rows' one-pass KL states
 // (TwoRowKL, shared with the mma.sync kernel). Compiled for every architecture, the kernel body
@@ -106,46 +107,56 @@ __global__ void __launch_bounds__(hopper::kThreads, 1)
   const int rows_valid = min(kRows, a.n_q - i0);
   const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
   const int k_tiles = key_end > 0 ? (key_end + kCols - 1) / kCols : 0;
-  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int k_slabs_s = (a.d_s + kK - 1) / kK, k_slabs_t = (a.d_t + kK - 1) / kK;
 
-  AttentionLoader loader{&maps,
-                         smem,
-                         full,
-                         empty,
-                         static_cast<int32_t>(b * a.n_q + i0),
-                         static_cast<int32_t>(b * a.n_k),
-                         h,
-                         a.key_head_s(h),
-                         a.key_head_t(h),
-                         0,
-                         k_tiles,
-                         (a.d_s + kK - 1) / kK,
-                         (a.d_t + kK - 1) / kK};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) loader.load_next();  // fill the ring
-  }
-  const ParkedTile s_parked{park + threadIdx.x};
-  Ring<AttentionLoader> ring{smem, full, empty, threadIdx.x == 0 ? &loader : nullptr};
-  WideAcc z;  // the student's scores, parked, then the teacher's
-  TwoRowKL state;
-  const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
-  for (int tile = 0; tile < k_tiles; ++tile) {
-    ring.multiply<T>(z, loader.k_slabs_s, consumer, lane);
-    scale_scores(z, a.c_s);
-    s_parked.park(z);
-    ring.multiply<T>(z, loader.k_slabs_t, consumer, lane);
-    scale_scores(z, a.c_t);
-    const int j0 = tile * kCols, col0 = j0 + 2 * (lane % 4);
-    const bool masked =
-        a.key_mask != nullptr || j0 + kCols > a.n_k || (a.causal && j0 + kCols - 1 > a.last_key(i0));
-    if (masked) {
-      fold_wide<kReverse, true>(
-          state, s_parked, z, [&](int j, int e) { return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1)); });
-    } else {
-      fold_wide<kReverse, false>(state, s_parked, z, [](int, int) { return true; });
+  // As in the logit kernel (hopper_gemm.cuh): a producer warpgroup whose thread 0 only loads,
+  // its registers given to the consumers; each role is one branch, for setmaxnreg.
+  if (threadIdx.x < kProducerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      AttentionLoader loader{&maps,
+                             smem,
+                             full,
+                             empty,
+                             static_cast<int32_t>(b * a.n_q + i0),
+                             static_cast<int32_t>(b * a.n_k),
+                             h,
+                             a.key_head_s(h),
+                             a.key_head_t(h),
+                             0,
+                             k_tiles,
+                             k_slabs_s,
+                             k_slabs_t};
+      while (loader.tile < k_tiles) loader.load_next();  // waits for each stage's release
     }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int thread = threadIdx.x - kProducerThreads;
+    const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+    const ParkedTile s_parked{park + thread};
+    Ring ring{smem, full, empty};
+    WideAcc z;  // the student's scores, parked, then the teacher's
+    TwoRowKL state;
+    const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
+    for (int tile = 0; tile < k_tiles; ++tile) {
+      ring.multiply<T>(z, k_slabs_s, consumer, lane);
+      scale_scores(z, a.c_s);
+      s_parked.park(z);
+      ring.multiply<T>(z, k_slabs_t, consumer, lane);
+      scale_scores(z, a.c_t);
+      const int j0 = tile * kCols, col0 = j0 + 2 * (lane % 4);
+      const bool masked =
+          a.key_mask != nullptr || j0 + kCols > a.n_k || (a.causal && j0 + kCols - 1 > a.last_key(i0));
+      if (masked) {
+        fold_wide<kReverse, true>(state, s_parked, z, [&](int j, int e) {
+          return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1));
+        });
+      } else {
+        fold_wide<kReverse, false>(state, s_parked, z, [](int, int) { return true; });
+      }
+    }
+    state.write_rows<kReverse>(a, bh, row0, lane);
   }
-  state.write_rows<kReverse>(a, bh, row0, lane);
 #endif
 }
 

@@ -38,18 +38,16 @@ constexpr int kRows = 128;      // block tile rows: 2 consumer warpgroups x 64
 constexpr int kCols = 256;      // vocabulary entries per tile (the wgmma N; 192 with 6 stages was 8% slower)
 constexpr int kK = 32;          // K per slab: 32 16-bit values = one 64-byte swizzle row
 constexpr int kStages = 4;      // shared-memory ring depth
-// 2 consumer warpgroups. In the attention kernel thread 0 also produces: 256 threads (2 warps
-// per SM sub-partition) may use 255 registers each; the 128-register accumulator and the pass
-// need ~200.
-constexpr int kThreads = 256;
-constexpr int kConsumerWarps = 8;
-// The logit kernel adds a producer warpgroup (whose thread 0 alone loads), so that loads are
-// never held up by the consumers' math: a copy-only model of the kernel
-// (tools/tma_stream_bench.cu) streams its slabs at the speed the kernel had with thread 0
-// producing. Its 3 warps per sub-partition start at 168 registers each; setmaxnreg then moves
-// the producer's to the consumers (240 each, the KL pass spilling ~350 bytes as with 255).
+// A producer warpgroup (whose thread 0 alone loads) and 2 consumer warpgroups. Loads must never
+// wait for the consumers' math: with thread 0 of a consumer producing, the kernel ran at the
+// speed of a copy-only model of its loads (tools/tma_stream_bench.cu, benchmarks/NOTES.md). The
+// 3 warps per SM sub-partition start at 168 registers each; setmaxnreg then moves the
+// producer's to the consumers (240 each: the 128-register accumulator and the pass need ~200;
+// the KL pass spills ~350 bytes, as it did with 255).
 constexpr int kProducerThreads = 128;
-constexpr int kLogitThreads = kProducerThreads + kThreads;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kProducerThreads + kConsumerThreads;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kXSlabBytes = kRows * kK * 2;
 constexpr int kWSlabBytes = kCols * kK * 2;
 constexpr int kStageBytes = kXSlabBytes + kWSlabBytes;
@@ -219,7 +217,7 @@ __device__ __forceinline__ void wgmma_tile<__half>(WideAcc& d, uint64_t desc_a, 
 // entry reads it back, so no barrier is needed.
 struct ParkedTile {
   static constexpr int kNTiles = kCols / 8;
-  static constexpr int kThreadsParked = 256;
+  static constexpr int kThreadsParked = kConsumerThreads;
   float* base;  // park + consumer thread index
   // A volatile load, so that the compiler reads each entry where the pass uses it rather than
   // hoisting all 128 loads ahead of the fold (which needs 128 more registers and spilled).
@@ -294,20 +292,16 @@ struct Loader {
 };
 
 // A consumer's view of the stage ring: waits for slabs, multiplies them, releases them. The
-// thread that owns the loader (Loader, or the attention kernel's) refills each stage as soon as
-// it is released.
-template <typename LoaderT>
+// producer (Loader, or the attention kernel's) refills each stage as soon as it is released.
 struct Ring {
   uint8_t* smem;
   uint64_t* full;
   uint64_t* empty;
-  LoaderT* loader;  // non-null in the producing thread only
   RingSlot slot;
   int pending = -1;  // stage whose wgmma group may still be reading it
 
   __device__ __forceinline__ void release(int stage, int lane) {
     if (lane == 0) mbar_arrive(&empty[stage]);
-    if (loader != nullptr) loader->load_next();
   }
 
   // acc = this consumer's 64 rows x kCols of the tile over k_slabs slabs; all products are done
@@ -340,7 +334,7 @@ struct Ring {
 };
 
 template <typename T, typename Pass>
-__global__ void __launch_bounds__(kLogitThreads, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     hopper_logit_kernel(const __grid_constant__ TensorMaps maps, FusedLinearArgs<T> a, BlockOrder order,
                         VocabSchedule sched, typename Pass::Params params) {
 #if NITROBREW_SM90A_DEVICE
@@ -380,7 +374,7 @@ __global__ void __launch_bounds__(kLogitThreads, 1)
     const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
     const ParkedTile zs_parked{park + thread};
     Pass pass(a, rows, params);
-    Ring<Loader> ring{smem, full, empty, nullptr};
+    Ring ring{smem, full, empty};
     // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
     // made the compiler keep both live, 256 registers, and spill.)
     WideAcc z;

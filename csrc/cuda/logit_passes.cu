@@ -144,7 +144,7 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
       const hopper::BlockOrder order{row_blocks, plan.splits, kGroupRowBlocks};
       auto kernel = hopper::hopper_logit_kernel<T, Pass>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
-      kernel<<<static_cast<unsigned>(blocks), hopper::kLogitThreads, hopper::kSmemBytes, stream>>>(maps, a, order,
+      kernel<<<static_cast<unsigned>(blocks), hopper::kThreads, hopper::kSmemBytes, stream>>>(maps, a, order,
                                                                                              plan.sched, params);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
