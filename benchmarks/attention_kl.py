@@ -20,21 +20,21 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import gc
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
-import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from harness import (
+    OOM_ERROR, device_name, fmt, free_device_memory, measure_in_subprocess, memory_baseline, peak_extra_mib,
+    short_error, time_runs,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
@@ -52,7 +52,6 @@ COLUMNS = [
     "ratio_to_sdpa", "loss_value", "error",
 ]
 ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "ratio_to_sdpa"}  # loss_value keeps full precision
-OOM_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 INPUT_NAMES = ["q_s", "k_s", "q_t", "k_t", "v"]  # each drawn with its own seed: every method sees the same q_s, k_s
 
 
@@ -128,57 +127,6 @@ def make_inputs(spec, m):
     return x
 
 
-def _vm_kib(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
-def memory_baseline(device):
-    """Resets the peak-memory mark; returns what is held now (bytes), for peak_extra_mib."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    try:  # "5" resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # then the baseline is the peak so far: creating the inputs, which is at least the inputs
-    return _vm_kib("VmHWM") * 1024
-
-
-def peak_extra_mib(device, baseline):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - baseline) / 2**20
-    return (_vm_kib("VmHWM") * 1024 - baseline) / 2**20
-
-
-def time_runs(run, device, warmup, repeats):
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def short_error(e):
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
-
-
 def measure(spec):
     """One (method, N, causal, mode): status, times, peak memory and the loss (mean over rows)."""
     device, m = torch.device(spec["device"]), METHODS[spec["method"]]
@@ -217,34 +165,6 @@ def measure(spec):
         "peak_extra_mib": extra,
         "loss_value": last["out"].float().mean().item() if m.is_loss else "",
     }
-
-
-def measure_in_subprocess(spec):
-    # A fresh process per measurement, so the peak RSS belongs to this measurement alone.
-    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: tracebacks show
-    if proc.returncode in (-9, 137):  # SIGKILL: almost always the kernel's OOM killer
-        return {"status": "oom", "error": "worker killed (SIGKILL)"}
-    if proc.returncode != 0:
-        return {"status": "error", "error": f"worker exited with status {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def free_device_memory(device):
-    # After an oom the failed run's tensors are gone with measure()'s frame; hand the cached blocks back too,
-    # so that the next row starts from the same place.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return models[0] if models else platform.processor() or "cpu"
 
 
 def driver_version(device):
@@ -292,10 +212,6 @@ def write_csv(rows, path):
         writer.writeheader()
         for r in rows:
             writer.writerow({k: (round(v, 3) if k in ROUNDED and v != "" else v) for k, v in r.items()})
-
-
-def fmt(value, spec=".1f"):
-    return "" if value is None or value == "" else format(value, spec)
 
 
 def print_table(rows):
@@ -448,7 +364,7 @@ def main():
                             "H": args.heads, "D": args.dim, "dtype": args.dtype, "device": args.device,
                             "kind": args.kind, "deterministic": args.deterministic, "warmup": args.warmup,
                             "repeats": args.repeats, "threads": args.threads}
-                    result = measure_in_subprocess(spec) if device.type == "cpu" else measure(spec)
+                    result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
                     free_device_memory(device)
                     rows.append({**meta, "method": name, "mode": mode, "causal": causal, "N": n, **result})
 

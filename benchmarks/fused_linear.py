@@ -19,17 +19,14 @@ import csv
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 
 import nitrobrew
+from harness import OOM_ERROR, device_name, fmt, measure_in_subprocess, memory_baseline, peak_extra_mib, time_runs
 from nitrobrew import reference
 
 BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # each loss as a beta of the reference
@@ -42,7 +39,6 @@ COLUMNS = [
     "status", "median_ms", "min_ms", "peak_extra_mib", "memory_metric", "time_vs_naive", "loss_value",
 ]
 ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "time_vs_naive"}  # loss_value keeps full precision
-OOM_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 METHODS = {}
 
@@ -168,52 +164,6 @@ def make_inputs(shape, dtype, device, requires_grad):
     return xs.requires_grad_(requires_grad), xt, ws.requires_grad_(requires_grad), wt
 
 
-def _vm_kib(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
-def memory_baseline(device):
-    """Resets the peak-memory mark; returns what is held now (bytes), for peak_extra_mib."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    try:  # "5" resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # then the baseline is the peak so far: creating the inputs, which is at least the inputs
-    return _vm_kib("VmHWM") * 1024
-
-
-def peak_extra_mib(device, baseline):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - baseline) / 2**20
-    return (_vm_kib("VmHWM") * 1024 - baseline) / 2**20
-
-
-def time_runs(run, device, warmup, repeats):
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def measure(spec):
     """One (method, shape, mode): returns status, times, peak memory and the loss (mean over tokens)."""
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
@@ -250,30 +200,6 @@ def measure(spec):
         "peak_extra_mib": extra,
         "loss_value": last["out"].float().mean().item(),
     }
-
-
-def measure_in_subprocess(spec):
-    # A fresh process per measurement, so the peak RSS belongs to this measurement alone.
-    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: tracebacks show
-    if proc.returncode in (-9, 137):  # SIGKILL: almost always the kernel's OOM killer
-        return {"status": "oom"}
-    if proc.returncode != 0:
-        return {"status": "error"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return models[0] if models else platform.processor() or "cpu"
-
-
-def fmt(value, spec=".1f"):
-    return "" if value is None or value == "" else format(value, spec)
 
 
 def print_table(rows):
@@ -380,7 +306,7 @@ def main():
                 print(f"[{len(rows) + 1}/{total}] {name} {args.loss} {mode} N,V,Ds,Dt={shape} {dtype}", flush=True)
                 spec = {"method": name, "loss": args.loss, "mode": mode, "shape": shape, "dtype": dtype,
                         "device": args.device, "warmup": warmup, "repeats": args.repeats, "threads": args.threads}
-                result = measure_in_subprocess(spec) if device.type == "cpu" else measure(spec)
+                result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
                 rows.append({**meta, "method": name, "mode": mode, "shape": shape, **result})

@@ -1,0 +1,103 @@
+"""What the benchmark CLIs share: timing, peak-memory measurement, per-measurement worker processes.
+
+Imported as `harness` by the scripts beside it (run as `python benchmarks/<name>.py`, which puts this
+folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+OOM_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _vm_kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def memory_baseline(device):
+    """Resets the peak-memory mark; returns what is held now (bytes), for peak_extra_mib."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    try:  # "5" resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the baseline is the peak so far: creating the inputs, which is at least the inputs
+    return _vm_kib("VmHWM") * 1024
+
+
+def peak_extra_mib(device, baseline):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - baseline) / 2**20
+    return (_vm_kib("VmHWM") * 1024 - baseline) / 2**20
+
+
+def time_runs(run, device, warmup, repeats):
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def short_error(e):
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+def measure_in_subprocess(script, spec):
+    """Runs `script --worker <spec>` (which prints its result as JSON) in a fresh process, so that the
+    peak RSS belongs to this measurement alone."""
+    cmd = [sys.executable, script, "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through: tracebacks show
+    if proc.returncode in (-9, 137):  # SIGKILL: almost always the kernel's OOM killer
+        return {"status": "oom", "error": "worker killed (SIGKILL)"}
+    if proc.returncode != 0:
+        return {"status": "error", "error": f"worker exited with status {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def free_device_memory(device):
+    # After an oom the failed run's tensors are gone with measure()'s frame; hand the cached blocks back too,
+    # so that the next row starts from the same place.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return models[0] if models else platform.processor() or "cpu"
+
+
+def fmt(value, spec=".1f"):
+    return "" if value is None or value == "" else format(value, spec)
