@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from harness import (
     OOM_ERROR, device_name, fmt, free_device_memory, measure_in_subprocess, memory_baseline, peak_extra_mib,
-    short_error, time_runs,
+    pyplot, short_error, time_runs,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -238,13 +238,8 @@ def print_targets(rows):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return
     if not any(r["status"] == "ok" for r in rows):
         print("no successful measurement: skipping the plot")

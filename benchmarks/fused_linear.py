@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 import nitrobrew
-from harness import OOM_ERROR, device_name, fmt, measure_in_subprocess, memory_baseline, peak_extra_mib, time_runs
+from harness import (
+    OOM_ERROR, device_name, fmt, measure_in_subprocess, memory_baseline, peak_extra_mib, pyplot, time_runs,
+)
 from nitrobrew import reference
 
 BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # each loss as a beta of the reference
@@ -215,13 +217,8 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): skipping the plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in rows if r["status"] == "ok"]
     if not rows:

@@ -101,3 +101,16 @@ def device_name(device):
 
 def fmt(value, spec=".1f"):
     return "" if value is None or value == "" else format(value, spec)
+
+
+def pyplot():
+    """matplotlib.pyplot with the file-only backend, or None (saying so) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): skipping the plot")
+        return None
+    return plt
