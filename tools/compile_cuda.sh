@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every CUDA source under csrc/ with nvcc (compile only) for the architectures the
+# Compiles every CUDA source under csrc/ (and the standalone programs in tools/) with nvcc (compile only)
 # package ships (NITROBREW_CUDA_ARCHS, default 8.0 and 9.0a), against the installed torch's
 # headers. Needs no GPU. Fails if there are CUDA sources and no nvcc.
 set -euo pipefail
@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 # ONLY=pattern compiles just the sources whose path matches it (grep -E).
 # The .cpp files under csrc/cuda are host code of the CUDA build: nvcc hands them to the host compiler.
 mapfile -t sources < <( (find csrc -name '*.cu'; find csrc/cuda -name '*.cpp') | sort | grep -E "${ONLY:-.}")
-if [ ${#sources[@]} -eq 0 ]; then
-  echo "compile_cuda: no CUDA sources under csrc/"
+# Standalone CUDA programs under tools/ (no torch; Hopper only).
+mapfile -t tools < <(find tools -maxdepth 1 -name '*.cu' | sort | grep -E "${ONLY:-.}")
+if [ $((${#sources[@]} + ${#tools[@]})) -eq 0 ]; then
+  echo "compile_cuda: no CUDA sources"
   exit 0
 fi
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -56,4 +58,9 @@ for src in "${sources[@]}"; do
   "$NVCC" -c "$src" -o "$out/$(basename "$src").o" -Xcompiler -fPIC -DTORCH_EXTENSION_NAME=_C "${flags[@]}" ${NVCC_EXTRA:-}
   compiled=$((compiled + 1))
 done
-echo "compile_cuda: $compiled of ${#sources[@]} CUDA source(s) compiled"
+for src in "${tools[@]}"; do
+  echo "compile_cuda: $src"
+  "$NVCC" -std=c++17 -c "$src" -o "$out/$(basename "$src").o" -gencode arch=compute_90a,code=sm_90a ${NVCC_EXTRA:-}
+  compiled=$((compiled + 1))
+done
+echo "compile_cuda: $compiled of $((${#sources[@]} + ${#tools[@]})) CUDA source(s) compiled"
