@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compiles every CUDA source under csrc/ (and the standalone programs in tools/) with nvcc (compile only)
+# Compiles every CUDA source under csrc/ with nvcc (compile only) for the architectures the
 # package ships (NITROBREW_CUDA_ARCHS, default 8.0 and 9.0a), against the installed torch's
-# headers. Needs no GPU. Fails if there are CUDA sources and no nvcc.
+# headers, and the standalone programs in tools/ for sm_90a. Needs no GPU. Fails if there are
+# CUDA sources and no nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # ONLY=pattern compiles just the sources whose path matches it (grep -E).
