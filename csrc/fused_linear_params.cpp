@@ -22,7 +22,58 @@ double checked_softcap(c10::optional<double> cap, const char* name) {
   return *cap;
 }
 
+void check_divergence_options(double beta, double temperature) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
+              "temperature must be a positive number, got ", temperature);
+  TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "beta must be in [0, 1], got ", beta);
+}
+
+void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name) {
+  if (!labels.has_value()) return;
+  TORCH_CHECK(labels->scalar_type() == at::kLong, "labels must be int64, got ", labels->scalar_type());
+  TORCH_CHECK(labels->dim() == 1 && labels->size(0) == rows_of.size(0), "labels must hold one entry per row of ",
+              name, " (", rows_of.size(0), "), got ", labels->sizes());
+  TORCH_CHECK(labels->device() == rows_of.device(), "labels must be on ", rows_of.device(), ", got ",
+              labels->device());
+}
+
+// The options every op shares; the caller fills in the shapes and the fused-linear extras.
+FusedLinearParams divergence_only_params(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
+                                         double beta, double temperature) {
+  FusedLinearParams p;
+  p.kind = beta == 0.0 ? LossKind::kForwardKL : beta == 1.0 ? LossKind::kReverseKL : LossKind::kJSD;
+  p.beta = beta;
+  p.inv_temperature = 1.0 / temperature;
+  p.ce_weight = 0.0;
+  p.softcap_s = p.softcap_t = 0.0;
+  p.ignore_index = ignore_index;
+  p.hidden_s = p.hidden_t = 0;
+  p.chunk_v = 0;
+  p.has_labels = labels.has_value();
+  return p;
+}
+
 }  // namespace
+
+FusedLinearParams make_logit_params(const at::Tensor& zs, const at::Tensor& zt,
+                                    const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                    double temperature) {
+  check_matrix(zs, "zs");
+  check_matrix(zt, "zt");
+  TORCH_CHECK(zs.sizes() == zt.sizes(), "zs and zt must have the same shape [..., V], got ", zs.sizes(), " and ",
+              zt.sizes());
+  TORCH_CHECK(zs.size(1) >= 1, "the vocabulary (the last dimension of zs and zt) must not be empty");
+  TORCH_CHECK(zt.scalar_type() == zs.scalar_type(), "zs and zt must share one dtype, got ", zs.scalar_type(),
+              " and ", zt.scalar_type());
+  TORCH_CHECK(zt.device() == zs.device(), "zs and zt must be on one device, got ", zs.device(), " and ",
+              zt.device());
+  check_divergence_options(beta, temperature);
+  check_labels(labels, zs, "zs");
+  FusedLinearParams p = divergence_only_params(labels, ignore_index, beta, temperature);
+  p.num_rows = zs.size(0);
+  p.vocab_size = zs.size(1);
+  return p;
+}
 
 FusedLinearParams make_fused_linear_params(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
@@ -49,35 +100,22 @@ FusedLinearParams make_fused_linear_params(
   TORCH_CHECK(vocab_size >= 1 && vocab_size <= ws.size(0) && vocab_size <= wt.size(0),
               "vocab_size must be in [1, min(ws.size(0), wt.size(0))] = [1, ",
               std::min(ws.size(0), wt.size(0)), "], got ", vocab_size);
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
-              "temperature must be a positive number, got ", temperature);
-  TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "beta must be in [0, 1], got ", beta);
+  check_divergence_options(beta, temperature);
   TORCH_CHECK(std::isfinite(ce_weight) && ce_weight >= 0.0,
               "ce_weight must be a non-negative number, got ", ce_weight);
   TORCH_CHECK(chunk_v >= 0, "chunk_v must be positive (or 0 for automatic), got ", chunk_v);
-  if (labels.has_value()) {
-    TORCH_CHECK(labels->scalar_type() == at::kLong, "labels must be int64, got ", labels->scalar_type());
-    TORCH_CHECK(labels->dim() == 1 && labels->size(0) == xs.size(0),
-                "labels must hold one entry per row of xs (", xs.size(0), "), got ", labels->sizes());
-    TORCH_CHECK(labels->device() == xs.device(), "labels must be on ", xs.device(), ", got ",
-                labels->device());
-  }
+  check_labels(labels, xs, "xs");
   TORCH_CHECK(ce_weight == 0.0 || labels.has_value(), "ce_weight > 0 needs labels");
 
-  FusedLinearParams p;
-  p.kind = beta == 0.0 ? LossKind::kForwardKL : beta == 1.0 ? LossKind::kReverseKL : LossKind::kJSD;
-  p.beta = beta;
-  p.inv_temperature = 1.0 / temperature;
+  FusedLinearParams p = divergence_only_params(labels, ignore_index, beta, temperature);
   p.ce_weight = ce_weight;
   p.softcap_s = checked_softcap(softcap_s, "softcap_s");
   p.softcap_t = checked_softcap(softcap_t, "softcap_t");
-  p.ignore_index = ignore_index;
   p.num_rows = xs.size(0);
   p.hidden_s = xs.size(1);
   p.hidden_t = xt.size(1);
   p.vocab_size = vocab_size;
   p.chunk_v = chunk_v;
-  p.has_labels = labels.has_value();
   return p;
 }
 

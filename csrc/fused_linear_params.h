@@ -34,6 +34,12 @@ FusedLinearParams make_fused_linear_params(
     double temperature, double ce_weight, c10::optional<double> softcap_s,
     c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v);
 
+// The same options for the logit-level ops (nitrobrew.logits): zs, zt are the [N, V] student and
+// teacher logits; there are no matrices, soft-caps or cross-entropy add-on.
+FusedLinearParams make_logit_params(const at::Tensor& zs, const at::Tensor& zt,
+                                    const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,
+                                    double temperature);
+
 template <typename T>
 DivergenceParams<T> divergence_params(const FusedLinearParams& p) {
   DivergenceParams<T> d;

@@ -28,6 +28,17 @@ TORCH_LIBRARY(nitrobrew, m) {
       "float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
       "int vocab_size, int chunk_v, bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
 
+  // Logit-level distillation (nitrobrew.logits), forward: the fused-linear losses from the [N, V]
+  // logits zs, zt themselves (entries of -inf allowed: they have probability 0). Same outputs
+  // and row statistics as fused_linear_distill_fwd; every row needs a finite logit per model.
+  m.def(
+      "logit_distill_fwd(Tensor zs, Tensor zt, Tensor? labels, int ignore_index, float beta, "
+      "float temperature) -> (Tensor, Tensor)");
+  // Recompute backward: dLoss/dzs [N, V] in zs's dtype from the per-row upstream gradient.
+  m.def(
+      "logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
+      "int ignore_index, float beta, float temperature) -> Tensor");
+
   // Attention-distribution KL, forward. Layout [B, N, H, D]; scores scale * q.k / temperature
   // per model, keys hidden by key_mask ([B, N_k] bool, true = attended) or by the
   // bottom-right causal mask excluded. reverse: KL(student || teacher), else KL(teacher ||

@@ -5,9 +5,10 @@
 """
 
 from nitrobrew import ops  # noqa: F401  (loads the compiled operators first)
+from nitrobrew import logits
 from nitrobrew.attention import attention_kl
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.modules import DistillationLoss
 
 __version__ = "0.1.0"
-__all__ = ["forward_kl", "reverse_kl", "jsd", "attention_kl", "DistillationLoss"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "attention_kl", "logits", "DistillationLoss"]

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from nitrobrew import _checks
 from nitrobrew._extension import kernel_device_types
+from nitrobrew._reduction import reduce_rows
 from nitrobrew.ops import fused_linear_distill
 
 __all__ = ["forward_kl", "reverse_kl", "jsd"]
@@ -125,13 +126,7 @@ def _fused_linear_loss(
         vocab_size=vocab_size,
         chunk_v=chunk_V or 0,
     )
-    if reduction == "none":
-        return loss.reshape(lead_shape)
-    if reduction == "sum":
-        return loss.sum()
-    if flat_labels is None:
-        return loss.sum() / max(loss.shape[0], 1)
-    return loss.sum() / (flat_labels != ignore_index).sum().clamp(min=1)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
 
 
 def forward_kl(

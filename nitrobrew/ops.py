@@ -86,6 +86,37 @@ def _backward(ctx, grad_loss, _grad_row_stats):
 torch.library.register_autograd("nitrobrew::fused_linear_distill_fwd", _backward, setup_context=_setup_context)
 
 
+@torch.library.register_fake("nitrobrew::logit_distill_fwd")
+def _logit_distill_fwd_fake(zs, zt, labels, ignore_index, beta, temperature):
+    torch._check(zs.dim() == 2 and zs.shape == zt.shape, lambda: "zs and zt must be [N, V] of one shape")
+    n = zs.shape[0]
+    dtype = _stats_dtype(zs.dtype)
+    return zs.new_empty((n,), dtype=dtype), zs.new_empty((n, NUM_ROW_STATS), dtype=dtype)
+
+
+@torch.library.register_fake("nitrobrew::logit_distill_bwd")
+def _logit_distill_bwd_fake(grad_loss, zs, zt, labels, row_stats, ignore_index, beta, temperature):
+    torch._check(grad_loss.shape == (zs.shape[0],), lambda: "grad_loss must be [N]")
+    return torch.empty_like(zs, memory_format=torch.contiguous_format)
+
+
+def _logit_setup_context(ctx, inputs, output):
+    # Options: ignore_index, beta, temperature.
+    _save_for_recompute(ctx, inputs, output, n_tensors=3)  # zs, zt, labels
+
+
+def _logit_backward(ctx, grad_loss, _grad_row_stats):
+    _forbid_double_backward()
+    zs, zt, labels, row_stats = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 6
+    dzs = _ops.logit_distill_bwd(grad_loss, zs, zt, labels, row_stats, *ctx.options)
+    return (dzs,) + (None,) * 5  # the teacher's logits, labels and options receive no gradient
+
+
+torch.library.register_autograd("nitrobrew::logit_distill_fwd", _logit_backward, setup_context=_logit_setup_context)
+
+
 NUM_ATTENTION_ROW_STATS = 5  # kNumAttentionRowStats in csrc/attention_kl_params.h
 
 
@@ -147,3 +178,9 @@ def fused_linear_distill(
     return _ops.fused_linear_distill_fwd(
         xs, xt, ws, wt, labels, ignore_index, beta, temperature, ce_weight, softcap_s, softcap_t, vocab_size, chunk_v
     )[0]
+
+
+def logit_distill(zs: Tensor, zt: Tensor, labels: Tensor | None, *, ignore_index: int, beta: float,
+                  temperature: float) -> Tensor:
+    """Per-row loss [N] of the logit-level op (2-D logits, options already checked)."""
+    return _ops.logit_distill_fwd(zs, zt, labels, ignore_index, beta, temperature)[0]

@@ -68,6 +68,47 @@ def fused_linear_distill(
     return loss.sum() / mask.sum().clamp(min=1)
 
 
+def logit_distill(
+    zs: Tensor,
+    zt: Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    dtype: torch.dtype | None = torch.float64,
+) -> Tensor:
+    """What nitrobrew.logits.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute. Entries of
+    -inf have probability 0 and contribute 0 (0 log 0 = 0), in the value and in autograd."""
+    if dtype is not None:
+        zs, zt = zs.to(dtype), zt.to(dtype)
+    finite_s, finite_t = torch.isfinite(zs), torch.isfinite(zt)
+    log_p = torch.log_softmax(zs / temperature, dim=-1)
+    log_q = torch.log_softmax(zt / temperature, dim=-1)
+    # -inf log-probabilities replaced where their terms are dropped, so autograd never meets -inf - -inf.
+    safe_p = torch.where(finite_s, log_p, torch.zeros_like(log_p))
+    safe_q = torch.where(finite_t, log_q, torch.zeros_like(log_q))
+    zero = torch.zeros_like(log_p)
+    if beta == 0.0:
+        loss = torch.where(finite_t, safe_q.exp() * (safe_q - log_p), zero).sum(-1)
+    elif beta == 1.0:
+        loss = torch.where(finite_s, safe_p.exp() * (safe_p - log_q), zero).sum(-1)
+    else:
+        log_m = torch.logaddexp(safe_p + math.log1p(-beta), safe_q + math.log(beta))
+        log_m = torch.where(finite_s | finite_t, log_m, zero)
+        kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
+        kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
+        loss = beta * kl_q_m + (1.0 - beta) * kl_p_m
+    mask = torch.ones_like(loss, dtype=torch.bool) if labels is None else labels != ignore_index
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / mask.sum().clamp(min=1)
+
+
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,
                  device=None) -> Tensor:
     """[B, N_q, N_k] bool: which keys each query row sees (bottom-right causal alignment, as

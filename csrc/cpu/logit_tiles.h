@@ -1,9 +1,10 @@
 // The CPU's tile walk over the [N x V] student and teacher logits.
 //
 // The vocabulary is cut into tiles of `vocab_tile` entries and the rows into chunks of
-// `row_tile`; for each (vocab tile, row chunk) the BLAS writes the two logit tiles
-// (accumulated in float32, or float64 for float64 inputs) into a buffer that is reused,
-// so memory beyond the inputs is O(row_tile * vocab_tile), never O(N * V).
+// `row_tile`; for each (vocab tile, row chunk) the two logit tiles (in float32, or float64 for
+// float64 inputs) are written into a buffer that is reused, by the BLAS from the hidden states
+// (fused-linear ops) or copied from the caller's logits (logit-level ops), so memory beyond the
+// inputs is O(row_tile * vocab_tile), never O(N * V).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,8 +61,41 @@ struct LogitTile {
   int64_t v0, cols;    // vocabulary entries [v0, v0 + cols)
   int64_t r0, rows;    // rows [r0, r0 + rows)
   at::Tensor zs, zt;   // [rows, cols] soft-capped logits (before the temperature), contiguous
-  at::Tensor ws_tile;  // [cols, D_s] student unembedding rows, in the accumulation dtype
-  at::Tensor xs_rows;  // [rows, D_s] student hidden states, in the accumulation dtype
+  at::Tensor ws_tile;  // [cols, D_s] student unembedding rows, in the accumulation dtype (products only)
+  at::Tensor xs_rows;  // [rows, D_s] student hidden states, in the accumulation dtype (products only)
+};
+
+// Where a walk's logit tiles come from. Products: the fused-linear ops' x . w^T. xs_acc, xt_acc
+// are [N, D] in the accumulation dtype; ws, wt in the input dtype.
+struct ProductTiles {
+  const at::Tensor& xs_acc;
+  const at::Tensor& xt_acc;
+  const at::Tensor& ws;
+  const at::Tensor& wt;
+  at::Tensor ws_tile, wt_tile;  // the current vocabulary tile's rows, in the accumulation dtype
+
+  void begin_vocab_tile(int64_t v0, int64_t cols) {
+    ws_tile = ws.narrow(0, v0, cols).to(xs_acc.scalar_type()).contiguous();  // [cols, D_s]
+    wt_tile = wt.narrow(0, v0, cols).to(xs_acc.scalar_type()).contiguous();  // [cols, D_t]
+  }
+  void fill(LogitTile& tile) const {
+    tile.ws_tile = ws_tile;
+    tile.xs_rows = xs_acc.narrow(0, tile.r0, tile.rows);
+    at::mm_out(tile.zs, tile.xs_rows, ws_tile.t());
+    at::mm_out(tile.zt, xt_acc.narrow(0, tile.r0, tile.rows), wt_tile.t());
+  }
+};
+
+// Logits the caller holds: the logit-level ops' [N, V] zs and zt (any dtype and strides).
+struct GivenTiles {
+  const at::Tensor& zs;
+  const at::Tensor& zt;
+
+  void begin_vocab_tile(int64_t, int64_t) {}
+  void fill(LogitTile& tile) const {
+    tile.zs.copy_(zs.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols));
+    tile.zt.copy_(zt.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols));
+  }
 };
 
 // Calls, in this order:
@@ -69,33 +103,27 @@ struct LogitTile {
 //   visitor.visit_row(n, v, zs_row, zt_row)   for every row n of a chunk, in parallel
 //   visitor.end_row_chunk(tile)                once the chunk's rows are visited
 //   visitor.end_vocab_tile(v0, cols)
-// xs_acc, xt_acc are [N, D] in the accumulation dtype; ws, wt in the input dtype.
-template <typename acc_t, typename Visitor>
-void walk_logit_tiles(const at::Tensor& xs_acc, const at::Tensor& xt_acc, const at::Tensor& ws,
-                      const at::Tensor& wt, const FusedLinearParams& p, const TilePlan& plan,
-                      Visitor& visitor) {
+// with the tiles that `source` (ProductTiles or GivenTiles) fills, in the accumulation dtype acc_t.
+template <typename acc_t, typename Source, typename Visitor>
+void walk_logit_tiles(Source& source, const FusedLinearParams& p, const TilePlan& plan,
+                      const at::TensorOptions& acc_options, Visitor& visitor) {
   const int64_t n_rows = p.num_rows;
   if (n_rows == 0) return;
-  const at::ScalarType acc_dtype = xs_acc.scalar_type();
-  const auto buffer_options = xs_acc.options();
-  at::Tensor zs_buffer = at::empty({plan.row_tile * plan.vocab_tile}, buffer_options);
-  at::Tensor zt_buffer = at::empty({plan.row_tile * plan.vocab_tile}, buffer_options);
+  at::Tensor zs_buffer = at::empty({plan.row_tile * plan.vocab_tile}, acc_options);
+  at::Tensor zt_buffer = at::empty({plan.row_tile * plan.vocab_tile}, acc_options);
   const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
   const acc_t cap_t = static_cast<acc_t>(p.softcap_t);
 
   for (int64_t v0 = 0; v0 < p.vocab_size; v0 += plan.vocab_tile) {
     const int64_t cols = std::min(plan.vocab_tile, p.vocab_size - v0);
-    const at::Tensor ws_tile = ws.narrow(0, v0, cols).to(acc_dtype).contiguous();  // [cols, D_s]
-    const at::Tensor wt_tile = wt.narrow(0, v0, cols).to(acc_dtype).contiguous();  // [cols, D_t]
+    source.begin_vocab_tile(v0, cols);
     visitor.begin_vocab_tile(v0, cols);
     for (int64_t r0 = 0; r0 < n_rows; r0 += plan.row_tile) {
       const int64_t rows = std::min(plan.row_tile, n_rows - r0);
       LogitTile tile{v0, cols, r0, rows,
                      zs_buffer.narrow(0, 0, rows * cols).view({rows, cols}),
-                     zt_buffer.narrow(0, 0, rows * cols).view({rows, cols}),
-                     ws_tile, xs_acc.narrow(0, r0, rows)};
-      at::mm_out(tile.zs, tile.xs_rows, ws_tile.t());
-      at::mm_out(tile.zt, xt_acc.narrow(0, r0, rows), wt_tile.t());
+                     zt_buffer.narrow(0, 0, rows * cols).view({rows, cols})};
+      source.fill(tile);
       acc_t* zs = tile.zs.data_ptr<acc_t>();
       acc_t* zt = tile.zt.data_ptr<acc_t>();
       at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {

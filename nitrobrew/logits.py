@@ -1,0 +1,83 @@
+"""Distillation losses from logits the caller already holds.
+
+For each row n of zs, zt: [..., V], with s = zs[n] / temperature, t = zt[n] / temperature,
+p = softmax(s) (student) and q = softmax(t) (teacher):
+
+    forward_kl:  KL(q || p)      reverse_kl:  KL(p || q)
+    jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
+
+Entries of -inf (masked or padded vocabulary) have probability 0 and contribute 0 (0 log 0 = 0);
+every row needs a finite logit in both models. Only zs receives a gradient. One pass reads each
+logit once; the backward recomputes from per-row statistics and writes dLoss/dzs.
+nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew import _checks
+from nitrobrew._extension import kernel_device_types
+from nitrobrew._reduction import reduce_rows
+from nitrobrew.ops import logit_distill
+
+__all__ = ["forward_kl", "reverse_kl", "jsd"]
+
+_KERNEL_DEVICE_TYPES = kernel_device_types()
+
+
+def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -> Tensor:
+    for name, value in (("zs", zs), ("zt", zt)):
+        _checks.tensor(value, name)
+        _checks.floating(value, name)
+    if zs.dim() < 1 or zs.shape != zt.shape or zs.shape[-1] == 0:
+        raise ValueError(f"zs and zt must be [..., V] logits of one shape (V >= 1), got {tuple(zs.shape)} and "
+                         f"{tuple(zt.shape)}")
+    if zs.dtype != zt.dtype:
+        raise TypeError(f"zs and zt must share one dtype, got {zs.dtype} and {zt.dtype}")
+    _checks.same_device({"zs": zs, "zt": zt})
+    if zs.device.type not in _KERNEL_DEVICE_TYPES:
+        raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
+    if zs.device.type != "cpu":
+        raise NotImplementedError("nitrobrew.logits has CPU kernels only so far")
+    temperature = _checks.positive_number(temperature, "temperature")
+    beta = _checks.unit_interval(beta, "beta")
+    reduction = _checks.reduction(reduction)
+    lead_shape = zs.shape[:-1]
+    labels = _checks.labels(labels, lead_shape, zs.device)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and zt.is_inference():
+        zt = zt.clone()  # a teacher's logits made under inference_mode cannot be saved for backward
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    vocab = zs.shape[-1]
+    loss = logit_distill(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index=ignore_index,
+                         beta=beta, temperature=temperature)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
+
+
+def forward_kl(zs: Tensor, zt: Tensor, *, temperature: float = 1.0, reduction: str = "mean",
+               labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+    """Forward KL(teacher || student) per row of zs, zt: [..., V] (float32, float64, bf16 or fp16).
+
+    reduction: "none" (leading shape, masked rows 0), "sum", "mean" (over unmasked rows; 0 when none) or
+    "batchmean" (= "mean"). labels: int64, leading shape; rows whose label is ignore_index are masked.
+    Returns float32 (float64 for float64 inputs); the gradient flows to zs only.
+    """
+    return _logit_loss(zs, zt, beta=0.0, temperature=temperature, reduction=reduction, labels=labels,
+                       ignore_index=ignore_index)
+
+
+def reverse_kl(zs: Tensor, zt: Tensor, *, temperature: float = 1.0, reduction: str = "mean",
+               labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+    """Reverse KL(student || teacher) per row; arguments as in forward_kl."""
+    return _logit_loss(zs, zt, beta=1.0, temperature=temperature, reduction=reduction, labels=labels,
+                       ignore_index=ignore_index)
+
+
+def jsd(zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0, reduction: str = "mean",
+        labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+    """Generalized JSD(beta) per row (beta = 0: forward KL, 1: reverse KL); arguments as in forward_kl."""
+    return _logit_loss(zs, zt, beta=beta, temperature=temperature, reduction=reduction, labels=labels,
+                       ignore_index=ignore_index)
