@@ -71,14 +71,14 @@ def optional_positive_int(value, name: str) -> int | None:
     return int(value)
 
 
-def labels(value, lead_shape: torch.Size, device: torch.device) -> Tensor | None:
+def labels(value, lead_shape: torch.Size, device: torch.device, of: str = "xs") -> Tensor | None:
     if value is None:
         return None
     tensor(value, "labels")
     if value.dtype != torch.int64:
         raise TypeError(f"labels must be an int64 tensor, got {value.dtype}")
     if value.shape != lead_shape:
-        raise ValueError(f"labels must have the leading shape of xs {tuple(lead_shape)}, got {tuple(value.shape)}")
+        raise ValueError(f"labels must have the leading shape of {of} {tuple(lead_shape)}, got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"labels must be on {device}, got {value.device}")
     return value

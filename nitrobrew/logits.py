@@ -45,7 +45,7 @@ def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -
     beta = _checks.unit_interval(beta, "beta")
     reduction = _checks.reduction(reduction)
     lead_shape = zs.shape[:-1]
-    labels = _checks.labels(labels, lead_shape, zs.device)
+    labels = _checks.labels(labels, lead_shape, zs.device, of="zs")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and zt.is_inference():
