@@ -7,8 +7,8 @@ p = softmax(s) (student) and q = softmax(t) (teacher):
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
 
 Entries of -inf (masked or padded vocabulary) have probability 0 and contribute 0 (0 log 0 = 0);
-every row needs a finite logit in both models. Only zs receives a gradient. One pass reads each
-logit once; the backward recomputes from per-row statistics and writes dLoss/dzs.
+every row needs a finite logit in both models. Only zs receives a gradient. The forward reads each
+logit once (JSD: twice); the backward recomputes from per-row statistics and writes dLoss/dzs.
 nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
 """
 
