@@ -28,15 +28,6 @@ void check_divergence_options(double beta, double temperature) {
   TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "beta must be in [0, 1], got ", beta);
 }
 
-void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name) {
-  if (!labels.has_value()) return;
-  TORCH_CHECK(labels->scalar_type() == at::kLong, "labels must be int64, got ", labels->scalar_type());
-  TORCH_CHECK(labels->dim() == 1 && labels->size(0) == rows_of.size(0), "labels must hold one entry per row of ",
-              name, " (", rows_of.size(0), "), got ", labels->sizes());
-  TORCH_CHECK(labels->device() == rows_of.device(), "labels must be on ", rows_of.device(), ", got ",
-              labels->device());
-}
-
 // The options every op shares; the caller fills in the shapes and the fused-linear extras.
 FusedLinearParams divergence_only_params(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                          double beta, double temperature) {
@@ -54,6 +45,15 @@ FusedLinearParams divergence_only_params(const c10::optional<at::Tensor>& labels
 }
 
 }  // namespace
+
+void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name) {
+  if (!labels.has_value()) return;
+  TORCH_CHECK(labels->scalar_type() == at::kLong, "labels must be int64, got ", labels->scalar_type());
+  TORCH_CHECK(labels->dim() == 1 && labels->size(0) == rows_of.size(0), "labels must hold one entry per row of ",
+              name, " (", rows_of.size(0), "), got ", labels->sizes());
+  TORCH_CHECK(labels->device() == rows_of.device(), "labels must be on ", rows_of.device(), ", got ",
+              labels->device());
+}
 
 FusedLinearParams make_logit_params(const at::Tensor& zs, const at::Tensor& zt,
                                     const c10::optional<at::Tensor>& labels, int64_t ignore_index, double beta,

@@ -34,6 +34,9 @@ FusedLinearParams make_fused_linear_params(
     double temperature, double ce_weight, c10::optional<double> softcap_s,
     c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v);
 
+// labels, if given: int64, one per row of `rows_of` (named `name` in the error), on its device.
+void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name);
+
 // The same options for the logit-level ops (nitrobrew.logits): zs, zt are the [N, V] student and
 // teacher logits; there are no matrices, soft-caps or cross-entropy add-on.
 FusedLinearParams make_logit_params(const at::Tensor& zs, const at::Tensor& zt,

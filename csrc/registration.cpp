@@ -39,6 +39,20 @@ TORCH_LIBRARY(nitrobrew, m) {
       "logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
       "int ignore_index, float beta, float temperature) -> Tensor");
 
+  // Top-K teacher distillation from the student's [N, V] logits: forward KL over the K ids the
+  // teacher kept ([N, K] int64 teacher_ids, any order; teacher_logprobs its log-probabilities over
+  // its full vocabulary), sum_k q_k (log q_k - log p_{id_k}), the temperature on the student only.
+  // renormalize: both distributions renormalized over the K ids ("topk"), else the student's over
+  // the vocabulary and q_k as given ("full"). Returns loss [N] (float32, float64 for float64 inputs)
+  // and row_stats [N, 4] (float64, TopKRowStat).
+  m.def(
+      "topk_logit_distill_fwd(Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
+      "int ignore_index, float temperature, bool renormalize) -> (Tensor, Tensor)");
+  // Recompute backward: dLoss/dzs [N, V] in zs's dtype.
+  m.def(
+      "topk_logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize) -> Tensor");
+
   // Attention-distribution KL, forward. Layout [B, N, H, D]; scores scale * q.k / temperature
   // per model, keys hidden by key_mask ([B, N_k] bool, true = attended) or by the
   // bottom-right causal mask excluded. reverse: KL(student || teacher), else KL(teacher ||

@@ -20,11 +20,27 @@ from torch import Tensor
 from nitrobrew import _checks
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
-from nitrobrew.ops import logit_distill
+from nitrobrew.ops import logit_distill, topk_logit_distill
 
-__all__ = ["forward_kl", "reverse_kl", "jsd"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl"]
+
+NORMALIZATIONS = ("full", "topk")
 
 _KERNEL_DEVICE_TYPES = kernel_device_types()
+
+
+def _common_checks(zs, temperature, reduction, labels, ignore_index):
+    """Checks shared by every loss here; returns (temperature, reduction, labels)."""
+    if zs.device.type not in _KERNEL_DEVICE_TYPES:
+        raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
+    if zs.device.type != "cpu":
+        raise NotImplementedError("nitrobrew.logits has CPU kernels only so far")
+    temperature = _checks.positive_number(temperature, "temperature")
+    reduction = _checks.reduction(reduction)
+    labels = _checks.labels(labels, zs.shape[:-1], zs.device, of="zs")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    return temperature, reduction, labels
 
 
 def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -> Tensor:
@@ -37,17 +53,9 @@ def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -
     if zs.dtype != zt.dtype:
         raise TypeError(f"zs and zt must share one dtype, got {zs.dtype} and {zt.dtype}")
     _checks.same_device({"zs": zs, "zt": zt})
-    if zs.device.type not in _KERNEL_DEVICE_TYPES:
-        raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
-    if zs.device.type != "cpu":
-        raise NotImplementedError("nitrobrew.logits has CPU kernels only so far")
-    temperature = _checks.positive_number(temperature, "temperature")
+    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
     beta = _checks.unit_interval(beta, "beta")
-    reduction = _checks.reduction(reduction)
     lead_shape = zs.shape[:-1]
-    labels = _checks.labels(labels, lead_shape, zs.device, of="zs")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and zt.is_inference():
         zt = zt.clone()  # a teacher's logits made under inference_mode cannot be saved for backward
     flat_labels = labels.reshape(-1) if labels is not None else None
@@ -81,3 +89,45 @@ def jsd(zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0, 
     """Generalized JSD(beta) per row (beta = 0: forward KL, 1: reverse KL); arguments as in forward_kl."""
     return _logit_loss(zs, zt, beta=beta, temperature=temperature, reduction=reduction, labels=labels,
                        ignore_index=ignore_index)
+
+
+def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
+            temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
+            ignore_index: int = -100) -> Tensor:
+    """Forward KL against a teacher's top-K log-probabilities, from the student's logits zs: [..., V].
+
+    teacher_ids: [..., K] int64, in [0, V), in any order; teacher_logprobs: [..., K] float, the teacher's
+    log-probabilities (over its full vocabulary) of those tokens. The loss per row is
+    sum_k q_k (log q_k - log p_{id_k}) with q_k = exp(teacher_logprobs_k).
+    normalize="full": p is the student's softmax over the whole vocabulary and q_k is used as given (its
+    sum may be < 1); "topk": both are renormalized over the K ids. The temperature divides the student's
+    logits only. Other options as in forward_kl; the gradient flows to zs only.
+    """
+    _checks.tensor(zs, "zs")
+    _checks.floating(zs, "zs")
+    _checks.tensor(teacher_ids, "teacher_ids")
+    _checks.tensor(teacher_logprobs, "teacher_logprobs")
+    if teacher_ids.dtype != torch.int64:
+        raise TypeError(f"teacher_ids must be int64, got {teacher_ids.dtype}")
+    if not teacher_logprobs.is_floating_point():
+        raise TypeError(f"teacher_logprobs must be floating point, got {teacher_logprobs.dtype}")
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    if zs.dim() < 1 or zs.shape[-1] == 0:
+        raise ValueError(f"zs must be [..., V] logits with V >= 1, got {tuple(zs.shape)}")
+    if teacher_ids.shape != teacher_logprobs.shape or teacher_ids.shape[:-1] != zs.shape[:-1]:
+        raise ValueError(f"teacher_ids and teacher_logprobs must both be [..., K] with zs's leading shape "
+                         f"{tuple(zs.shape[:-1])}, got {tuple(teacher_ids.shape)} and {tuple(teacher_logprobs.shape)}")
+    vocab, k = zs.shape[-1], teacher_ids.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
+    _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
+    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        teacher_logprobs = teacher_logprobs.clone() if teacher_logprobs.is_inference() else teacher_logprobs
+        teacher_ids = teacher_ids.clone() if teacher_ids.is_inference() else teacher_ids
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    loss = topk_logit_distill(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
+                              flat_labels, ignore_index=ignore_index, temperature=temperature,
+                              renormalize=normalize == "topk")
+    return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)

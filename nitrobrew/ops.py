@@ -117,6 +117,41 @@ def _logit_backward(ctx, grad_loss, _grad_row_stats):
 torch.library.register_autograd("nitrobrew::logit_distill_fwd", _logit_backward, setup_context=_logit_setup_context)
 
 
+NUM_TOPK_ROW_STATS = 4  # kNumTopKRowStats in csrc/topk_params.h
+
+
+@torch.library.register_fake("nitrobrew::topk_logit_distill_fwd")
+def _topk_logit_distill_fwd_fake(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize):
+    torch._check(zs.dim() == 2 and teacher_ids.dim() == 2, lambda: "zs must be [N, V] and teacher_ids [N, K]")
+    n = zs.shape[0]
+    return zs.new_empty((n,), dtype=_stats_dtype(zs.dtype)), zs.new_empty((n, NUM_TOPK_ROW_STATS), dtype=torch.float64)
+
+
+@torch.library.register_fake("nitrobrew::topk_logit_distill_bwd")
+def _topk_logit_distill_bwd_fake(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, ignore_index,
+                                 temperature, renormalize):
+    torch._check(grad_loss.shape == (zs.shape[0],), lambda: "grad_loss must be [N]")
+    return torch.empty_like(zs, memory_format=torch.contiguous_format)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    # Options: ignore_index, temperature, renormalize.
+    _save_for_recompute(ctx, inputs, output, n_tensors=4)  # zs, teacher_ids, teacher_logprobs, labels
+
+
+def _topk_backward(ctx, grad_loss, _grad_row_stats):
+    _forbid_double_backward()
+    zs, teacher_ids, teacher_logprobs, labels, row_stats = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 7
+    dzs = _ops.topk_logit_distill_bwd(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, *ctx.options)
+    return (dzs,) + (None,) * 6  # the teacher's ids and log-probabilities, labels and options: no gradient
+
+
+torch.library.register_autograd("nitrobrew::topk_logit_distill_fwd", _topk_backward,
+                                setup_context=_topk_setup_context)
+
+
 NUM_ATTENTION_ROW_STATS = 5  # kNumAttentionRowStats in csrc/attention_kl_params.h
 
 
@@ -184,3 +219,10 @@ def logit_distill(zs: Tensor, zt: Tensor, labels: Tensor | None, *, ignore_index
                   temperature: float) -> Tensor:
     """Per-row loss [N] of the logit-level op (2-D logits, options already checked)."""
     return _ops.logit_distill_fwd(zs, zt, labels, ignore_index, beta, temperature)[0]
+
+
+def topk_logit_distill(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Tensor | None, *,
+                       ignore_index: int, temperature: float, renormalize: bool) -> Tensor:
+    """Per-row loss [N] of the top-K op from logits (2-D inputs, options already checked)."""
+    return _ops.topk_logit_distill_fwd(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                                       renormalize)[0]

@@ -15,6 +15,17 @@ def _softcap(z: Tensor, cap: float | None) -> Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
+def _reduce(loss: Tensor, labels: Tensor | None, ignore_index: int, reduction: str) -> Tensor:
+    """Zeroes the rows whose label is ignore_index, then reduces: "none", "sum", or "mean" over the rest."""
+    mask = torch.ones_like(loss, dtype=torch.bool) if labels is None else labels != ignore_index
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / mask.sum().clamp(min=1)
+
+
 def divergence_from_logits(s: Tensor, t: Tensor, beta: float) -> Tensor:
     """Per-row divergence between p = softmax(s) (student) and q = softmax(t) (teacher):
     beta = 0 forward KL(q||p), beta = 1 reverse KL(p||q), otherwise generalized JSD(beta)."""
@@ -100,13 +111,36 @@ def logit_distill(
         kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
         kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
         loss = beta * kl_q_m + (1.0 - beta) * kl_p_m
-    mask = torch.ones_like(loss, dtype=torch.bool) if labels is None else labels != ignore_index
-    loss = torch.where(mask, loss, torch.zeros_like(loss))
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / mask.sum().clamp(min=1)
+    return _reduce(loss, labels, ignore_index, reduction)
+
+
+def topk_kl(
+    zs: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    normalize: str = "full",
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    dtype: torch.dtype | None = torch.float64,
+) -> Tensor:
+    """What nitrobrew.logits.topk_kl computes: sum_k q_k (log q_k - log p_{id_k}), teacher
+    log-probabilities of -inf contributing 0."""
+    if dtype is not None:
+        zs, teacher_logprobs = zs.to(dtype), teacher_logprobs.to(dtype)
+    s = zs / temperature
+    if normalize == "full":
+        log_p = torch.log_softmax(s, dim=-1).gather(-1, teacher_ids)
+        log_q = teacher_logprobs
+    else:
+        log_p = torch.log_softmax(s.gather(-1, teacher_ids), dim=-1)
+        log_q = torch.log_softmax(teacher_logprobs, dim=-1)
+    kept = torch.isfinite(teacher_logprobs)
+    safe_q = torch.where(kept, log_q, torch.zeros_like(log_q))
+    loss = torch.where(kept, safe_q.exp() * (safe_q - log_p), torch.zeros_like(log_p)).sum(-1)
+    return _reduce(loss, labels, ignore_index, reduction)
 
 
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,

@@ -1,0 +1,27 @@
+// Options of the top-K teacher ops: forward KL over the K tokens a teacher kept, against a student
+// whose log-probabilities come from its logits. Validated once, handed to the kernels as a struct.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace nitrobrew {
+
+// Columns of the top-K forward's per-row statistics (float64), as (max, log of the sum relative to it): the
+// student's log-normalizer of temperature-scaled logits (over the vocabulary, or over the K ids when
+// renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none).
+enum TopKRowStat : int { kTopKMax = 0, kTopKLogSum, kTopKTeacherMax, kTopKTeacherLogSum, kNumTopKRowStats };
+
+struct TopKParams {
+  bool renormalize;  // normalize="topk": both distributions renormalized over the K ids
+  double inv_temperature;
+  int64_t ignore_index;
+  int64_t num_rows, vocab_size, k;
+};
+
+// Checks the logits [N, V], ids [N, K] (int64, in [0, V)), log-probabilities [N, K] and labels.
+TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
+                                  const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
+                                  int64_t ignore_index, double temperature, bool renormalize);
+
+}  // namespace nitrobrew
