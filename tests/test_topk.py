@@ -160,3 +160,14 @@ def test_torch_compile_fullgraph_with_backward(dynamic):
         results.append((loss.detach(), a.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_non_contiguous_logits(normalize):
+    # Column-major logits and logits that are a slice of a wider (padded) buffer, read in place.
+    zs, ids, lps, _ = make_topk(lead=(9,), v=200, k=8)
+    column_major = zs.t().contiguous().t()
+    padded = torch.cat([zs, torch.randn(9, 56)], dim=1)[:, :200]
+    for z in (column_major, padded):
+        assert not z.is_contiguous()
+        check(z, ids, lps, normalize=normalize, reduction="none")

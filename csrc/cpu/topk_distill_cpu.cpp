@@ -32,8 +32,16 @@ struct TopKNorms {
   LogNormalizer<acc_t> student, teacher;
 };
 
+// A row of the student's logits, read in place at any stride (never copied whole).
+template <typename scalar_t>
+struct Row {
+  const scalar_t* data;
+  int64_t stride;
+  scalar_t operator[](int64_t v) const { return data[v * stride]; }
+};
+
 template <typename acc_t, typename scalar_t>
-TopKNorms<acc_t> row_norms(const scalar_t* z, const int64_t* ids, const acc_t* lp, const TopKParams& p) {
+TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const int64_t* ids, const acc_t* lp, const TopKParams& p) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
   auto s = [&](int64_t v) { return scale_logit(static_cast<acc_t>(z[v]), inv_t); };
@@ -84,11 +92,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
   using out_t = at::opmath_type<scalar_t>;
   using acc_t = double;
   const auto out_options = zs.options().dtype(c10::CppTypeToScalarType<out_t>::value);
-  const at::Tensor z_c = zs.contiguous(), ids_c = ids.contiguous(), lp_c = lps.to(at::kDouble).contiguous();
+  const at::Tensor ids_c = ids.contiguous(), lp_c = lps.to(at::kDouble).contiguous();
   const std::vector<uint8_t> valid = valid_rows(labels, p);
   at::Tensor loss = at::zeros({p.num_rows}, out_options.dtype(at::kDouble));
   at::Tensor stats = at::zeros({p.num_rows, kNumTopKRowStats}, out_options.dtype(at::kDouble));
-  const scalar_t* z = z_c.data_ptr<scalar_t>();
+  const scalar_t* z = zs.data_ptr<scalar_t>();
   const int64_t* id = ids_c.data_ptr<int64_t>();
   const acc_t* lp = lp_c.data_ptr<acc_t>();
   acc_t* loss_ = loss.data_ptr<acc_t>();
@@ -98,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
   at::parallel_for(0, p.num_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       if (!valid[n]) continue;
-      const scalar_t* zn = z + n * p.vocab_size;
+      const Row<scalar_t> zn{z + n * zs.stride(0), zs.stride(1)};
       const int64_t* idn = id + n * p.k;
       const acc_t* lpn = lp + n * p.k;
       const TopKNorms<acc_t> norms = row_norms<acc_t>(zn, idn, lpn, p);
@@ -127,11 +135,11 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
                          const TopKParams& p) {
   using acc_t = double;
   const auto acc_dtype = at::kDouble;
-  const at::Tensor z_c = zs.contiguous(), ids_c = ids.contiguous(), lp_c = lps.to(acc_dtype).contiguous();
+  const at::Tensor ids_c = ids.contiguous(), lp_c = lps.to(acc_dtype).contiguous();
   const at::Tensor g_c = grad_loss.to(acc_dtype).contiguous(), stats_c = row_stats.to(acc_dtype).contiguous();
   const std::vector<uint8_t> valid = valid_rows(labels, p);
   at::Tensor dzs = at::zeros(zs.sizes(), zs.options().memory_format(at::MemoryFormat::Contiguous));
-  const scalar_t* z = z_c.data_ptr<scalar_t>();
+  const scalar_t* z = zs.data_ptr<scalar_t>();
   const int64_t* id = ids_c.data_ptr<int64_t>();
   const acc_t* lp = lp_c.data_ptr<acc_t>();
   const acc_t* g = g_c.data_ptr<acc_t>();
@@ -145,7 +153,7 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
       const acc_t* row = stats + n * kNumTopKRowStats;
       if (!valid[n] || row[kTopKTeacherMax] == kNegInf) continue;  // its gradient stays 0
       const TopKNorms<acc_t> norms{{row[kTopKMax], row[kTopKLogSum]}, {row[kTopKTeacherMax], row[kTopKTeacherLogSum]}};
-      const scalar_t* zn = z + n * p.vocab_size;
+      const Row<scalar_t> zn{z + n * zs.stride(0), zs.stride(1)};
       const int64_t* idn = id + n * p.k;
       const acc_t* lpn = lp + n * p.k;
       const acc_t coef = g[n] * inv_t;
