@@ -204,6 +204,13 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
   }
 }
 
+// The gradient pass. Its fold is compiled once per divergence and CE add-on (on or off) for the
+// common tile (every column inside the vocabulary and the chunk, no student softcap), and once in
+// general.
+// With one fold for everything (the divergence switched per entry, CE and softcap branches
+// inline) the kernel was 28k instructions, and fetching the tile's code stalled the consumers:
+// ncu sampled 34% of warps waiting for instructions, and the pass ran 1.6x the KL pass's time
+// for the same products (benchmarks/NOTES.md).
 template <typename T>
 struct GradPass {
   struct Params {
@@ -220,8 +227,33 @@ struct GradPass {
   template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT& zt) {
+    constexpr int kCols = 8 * ZT::kNTiles;
+    const bool plain = !(a.softcap_s > 0.f) && v0 + kCols <= a.vocab_size && v0 + kCols <= p.chunk_begin + p.chunk_cols;
+    if (plain && a.ce_weight != 0.f) return plain_fold<true>(a, rows, v0, zs, zt);
+    if (plain) return plain_fold<false>(a, rows, v0, zs, zt);
+    fold<LossKind::kJSD, false, true>(a, rows, v0, zs, zt);
+  }
+
+  template <bool kCE, typename ZS, typename ZT>
+  __device__ __forceinline__ void plain_fold(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                             const ZS& zs, const ZT& zt) {
+    switch (a.div.kind) {
+      case LossKind::kForwardKL: return fold<LossKind::kForwardKL, true, kCE>(a, rows, v0, zs, zt);
+      case LossKind::kReverseKL: return fold<LossKind::kReverseKL, true, kCE>(a, rows, v0, zs, zt);
+      default: return fold<LossKind::kJSD, true, kCE>(a, rows, v0, zs, zt);
+    }
+  }
+
+  // kPlain: a plain tile (see tile()) of divergence kKind, with the CE add-on if kCE. Otherwise
+  // every option is read at run time (kKind and kCE unused).
+  template <LossKind kKind, bool kPlain, bool kCE, typename ZS, typename ZT>
+  __device__ __forceinline__ void fold(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                       const ZS& zs, const ZT& zt) {
     constexpr int kN = ZT::kNTiles;
     const float inv_t = a.inv_temperature;
+    DivergenceParams<float> div = a.div;
+    if constexpr (kPlain) div.kind = kKind;  // a constant: divergence_grad's switch folds away
+    const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (rows.row[i] >= a.n_rows) continue;
@@ -236,19 +268,17 @@ struct GradPass {
         float dz[2] = {0.f, 0.f};
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (rows.valid[i] && col + e < a.vocab_size) {
+          if (rows.valid[i] && (kPlain || col + e < a.vocab_size)) {
             const float z = zs.at(j, 2 * i + e);
             const float s = scale_logit(z, inv_t), t = scale_logit(zt.at(j, 2 * i + e), inv_t);
-            dz[e] = divergence_grad(a.div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, PassExp<T>{}) *
-                    inv_t;
-            if (a.ce_weight != 0.f) {
+            dz[e] = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, PassExp<T>{}) * inv_t;
+            if (kCE && a.ce_weight != 0.f) {
               dz[e] += a.ce_weight * (PassExp<T>{}(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
             }
-            dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
+            if (!kPlain) dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
           }
         }
-        const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
-        if (col + 1 < chunk_end) {
+        if (kPlain || col + 1 < chunk_end) {
           store_pair(out + col, dz[0], dz[1]);  // one 4- or 8-byte store: half the store instructions
         } else if (col < chunk_end) {
           out[col] = from_float<T>(dz[0]);
