@@ -19,6 +19,14 @@ namespace {
 // Row blocks that the sm_90a kernel's concurrently running blocks share (see BlockOrder):
 // 8 x 128 rows of X (~18 MB at D = 8704) stay in L2 while W streams past them.
 constexpr int64_t kGroupRowBlocks = 8;
+// The gradient pass's blocks have no state to carry across tiles, so its launches are cut into
+// at least this many vocabulary splits, and the blocks running together (one per SM) cover
+// SMs / kGradMinSplits row blocks x kGradMinSplits splits: ~11 x 12 tiles, whose X rows and W
+// tiles each come from DRAM once and are shared through L2. With every row block in flight at
+// once (2 splits at N = 8192, 1 at 16384) X came from DRAM at every tile, and the pass took
+// 98.8 ms at N = 16384 against 68.7 ms so (benchmarks/NOTES.md). The forward's KL pass
+// gained nothing from it, so it keeps its plan.
+constexpr int64_t kGradMinSplits = 12;
 
 bool forced_sm80() {
   const char* value = std::getenv("NITROBREW_FORCE_SM80");
@@ -70,16 +78,16 @@ int64_t mma_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
   return (vocab_tiles + splits - 1) / splits;
 }
 
-// wgmma path: one block per SM, so the split count is picked to balance the waves: it
-// minimizes (waves of blocks) x (tiles per block + a block's small fixed cost). (Forcing at
-// least SMs / group splits, so that the blocks running together share a group's rows of X
-// in L2, made no difference to the backward at N = 8192 and costs balance at small N.)
-int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles) {
+// wgmma path: one block per SM, so the split count (at least min_splits) is picked to balance
+// the waves: it minimizes (waves of blocks) x (tiles per block + a block's small fixed cost).
+int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_splits) {
   const int64_t sms = multiprocessor_count();
-  int64_t best = vocab_tiles;
+  min_splits = std::min(min_splits, vocab_tiles);
+  int64_t best = 1;
   double best_cost = 1e300;
   for (int64_t per = 1; per <= vocab_tiles; ++per) {
     const int64_t splits = (vocab_tiles + per - 1) / per;
+    if (splits < min_splits) break;  // fewer splits for every larger per
     if (per > 1 && (vocab_tiles + per - 2) / (per - 1) == splits) continue;  // same split count, more tiles
     const int64_t waves = (row_blocks * splits + sms - 1) / sms;
     const double cost = double(waves) * (double(per) + 0.05);
@@ -126,6 +134,7 @@ CUtensorMap tensor_map(const at::Tensor& t, int64_t rows, int box_rows) {
 struct LaunchPlan {
   VocabSchedule sched;
   int64_t splits;
+  int64_t group_row_blocks;  // the wgmma path's BlockOrder group
 };
 
 template <typename T, typename Pass>
@@ -141,7 +150,7 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
       const int64_t row_blocks = (a.n_rows + hopper::kRows - 1) / hopper::kRows;
       const int64_t blocks = row_blocks * plan.splits;
       TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many blocks for one launch");
-      const hopper::BlockOrder order{row_blocks, plan.splits, kGroupRowBlocks};
+      const hopper::BlockOrder order{row_blocks, plan.splits, plan.group_row_blocks};
       auto kernel = hopper::hopper_logit_kernel<T, Pass>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
       kernel<<<static_cast<unsigned>(blocks), hopper::kThreads, hopper::kSmemBytes, stream>>>(maps, a, order,
@@ -161,14 +170,17 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Splits tiles [first, end) for `rows` rows the way the path's blocks want them.
-LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end) {
+// Splits tiles [first, end) for `rows` rows the way the path's blocks want them; the gradient
+// pass's plan (for_grad) groups its blocks as kGradMinSplits says.
+LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end, bool for_grad) {
   const int64_t tiles = std::max<int64_t>(end - first, 1);
   rows = std::max<int64_t>(rows, 1);  // an empty batch launches nothing, but is planned
+  const int64_t min_splits = for_grad ? kGradMinSplits : 1;
+  const int64_t group = for_grad ? std::max<int64_t>(1, multiprocessor_count() / kGradMinSplits) : kGroupRowBlocks;
   const int64_t per = path == KernelPath::kWgmma
-                          ? wgmma_tiles_per_split((rows + hopper::kRows - 1) / hopper::kRows, tiles)
+                          ? wgmma_tiles_per_split((rows + hopper::kRows - 1) / hopper::kRows, tiles, min_splits)
                           : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
-  return {VocabSchedule{first, end, per}, (tiles + per - 1) / per};
+  return {VocabSchedule{first, end, per}, (tiles + per - 1) / per, group};
 }
 
 }  // namespace
@@ -203,7 +215,7 @@ LogitTilePasses::LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, con
   vectorized_ = vectorizable(xs) && vectorizable(xt) && vectorizable(ws) && vectorizable(wt);
   tile_cols_ = path_ == KernelPath::kWgmma ? hopper::kCols : kTileCols;
   const int64_t vocab_tiles = (p.vocab_size + tile_cols_ - 1) / tile_cols_;
-  const LaunchPlan plan = plan_for(path_, p.num_rows, 0, vocab_tiles);
+  const LaunchPlan plan = plan_for(path_, p.num_rows, 0, vocab_tiles, /*for_grad=*/false);
   forward_tiles_per_split_ = plan.sched.tiles_per_split;
   forward_splits_ = plan.splits;
 }
@@ -219,7 +231,7 @@ LogitTilePasses::LogitTilePasses(const at::Tensor& xs, const at::Tensor& xt, con
 
 void LogitTilePasses::kl_pass(at::Tensor& partial, at::Tensor& label_logit) const {
   const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
-  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_};
+  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_, kGroupRowBlocks};
   NITROBREW_DISPATCH_16_32("nitrobrew_kl_pass", {
     const typename KLPass<T>::Params params{partial.data_ptr<float>(), label_logit.data_ptr<float>()};
     launch_pass<T, KLPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
@@ -228,7 +240,7 @@ void LogitTilePasses::kl_pass(at::Tensor& partial, at::Tensor& label_logit) cons
 
 void LogitTilePasses::mixture_pass(const at::Tensor& row_stats, at::Tensor& partial) const {
   const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
-  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_};
+  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_, kGroupRowBlocks};
   NITROBREW_DISPATCH_16_32("nitrobrew_mixture_pass", {
     const typename MixturePass<T>::Params params{row_stats.data_ptr<float>(), partial.data_ptr<float>()};
     launch_pass<T, MixturePass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
@@ -243,7 +255,8 @@ void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin
               "nitrobrew: misaligned backward chunk");  // GradPass stores entry pairs
   if (p_.num_rows == 0 || chunk_cols == 0) return;
   const LaunchPlan plan =
-      plan_for(path_, p_.num_rows, chunk_begin / tile_cols_, (chunk_begin + chunk_cols + tile_cols_ - 1) / tile_cols_);
+      plan_for(path_, p_.num_rows, chunk_begin / tile_cols_, (chunk_begin + chunk_cols + tile_cols_ - 1) / tile_cols_,
+               /*for_grad=*/true);
   NITROBREW_DISPATCH_16_32("nitrobrew_grad_pass", {
     const typename GradPass<T>::Params params{row_stats.data_ptr<float>(), chunk_begin, chunk_cols,
                                               reinterpret_cast<T*>(grad_chunk.data_ptr()), grad_chunk.stride(0)};
