@@ -7,8 +7,10 @@ p = softmax(s) (student) and q = softmax(t) (teacher):
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
 
 Entries of -inf (masked or padded vocabulary) have probability 0 and contribute 0 (0 log 0 = 0);
-every row needs a finite logit in both models. Only zs receives a gradient. The forward reads each
-logit once (JSD: twice); the backward recomputes from per-row statistics and writes dLoss/dzs.
+every row needs a finite logit in both models (on the CPU a row without one is an error; on CUDA its
+loss and gradient are NaN, as a check would need a host synchronization). Only zs receives a
+gradient. The forward reads each logit once (JSD: twice); the backward recomputes from per-row
+statistics and writes dLoss/dzs. CPU and CUDA kernels (topk_kl: CPU only so far).
 nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
 """
 
@@ -29,12 +31,12 @@ NORMALIZATIONS = ("full", "topk")
 _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
-def _common_checks(zs, temperature, reduction, labels, ignore_index):
+def _common_checks(zs, temperature, reduction, labels, ignore_index, *, cpu_only=False):
     """Checks shared by every loss here; returns (temperature, reduction, labels)."""
     if zs.device.type not in _KERNEL_DEVICE_TYPES:
         raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
-    if zs.device.type != "cpu":
-        raise NotImplementedError("nitrobrew.logits has CPU kernels only so far")
+    if cpu_only and zs.device.type != "cpu":
+        raise NotImplementedError("nitrobrew.logits.topk_kl has CPU kernels only so far")
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, zs.shape[:-1], zs.device, of="zs")
@@ -122,7 +124,7 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     if not 1 <= k <= vocab:
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
-    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
+    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index, cpu_only=True)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         teacher_logprobs = teacher_logprobs.clone() if teacher_logprobs.is_inference() else teacher_logprobs
         teacher_ids = teacher_ids.clone() if teacher_ids.is_inference() else teacher_ids

@@ -35,7 +35,9 @@ for step in $steps; do
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run memcheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
-      run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py ;;
+      run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
+      run memcheck_logits compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_logit_distill.py
+      run racecheck_logits compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_logit_distill.py ;;
     sanitize_attention)
       run memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
       run racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py

@@ -1,0 +1,155 @@
+"""Benchmark the logit-level losses (nitrobrew.logits): methods x losses x modes -> CSV.
+
+    python benchmarks/logits.py                       # CUDA: N x V = 8192 x 152064 bf16
+    python benchmarks/logits.py --device cpu --shape 256,32000 --dtype float32
+
+The logits exist before the timed region (they are the input); each run computes the loss (mode
+"forward", under no_grad) or the loss and dLoss/dzs (mode "fwd_bwd"). Methods, in one run:
+  nitrobrew  nitrobrew.logits.forward_kl / reverse_kl / jsd;
+  naive      PyTorch: float32 log_softmax of both, then the divergence (F.kl_div; JSD as its definition);
+  liger      liger-kernel's LigerKLDIVLoss (forward / reverse KL) or LigerJSD on log_softmax outputs
+             (the log-probabilities those losses take), where liger_kernel is installed;
+  copy       one copy of an [N, V] tensor in the logits' dtype: the device's copy bandwidth.
+Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
+bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD twice; backward: both
+again and dzs written) and, for nitrobrew, those bytes per second as a fraction of the copy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nitrobrew
+from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, short_error, time_runs
+
+LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
+COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
+           "min_ms", "peak_extra_mib", "bytes_moved", "gb_per_s", "fraction_of_copy"]
+
+
+def nitrobrew_loss(zs, zt, loss):
+    if loss == "jsd":
+        return nitrobrew.logits.jsd(zs, zt, beta=LOSSES["jsd"])
+    return getattr(nitrobrew.logits, loss)(zs, zt)
+
+
+def naive_loss(zs, zt, loss):
+    log_p, log_q = F.log_softmax(zs.float(), -1), F.log_softmax(zt.float(), -1)
+    if loss == "forward_kl":
+        return F.kl_div(log_p, log_q, log_target=True, reduction="batchmean")
+    if loss == "reverse_kl":
+        return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+    beta = LOSSES["jsd"]
+    log_m = torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
+    return (beta * F.kl_div(log_m, log_q, log_target=True, reduction="batchmean")
+            + (1 - beta) * F.kl_div(log_m, log_p, log_target=True, reduction="batchmean"))
+
+
+def liger_loss(zs, zt, loss):
+    from liger_kernel.transformers import LigerJSD, LigerKLDIVLoss
+
+    log_p, log_q = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
+    if loss == "jsd":  # liger's JSD(beta) is beta KL(P||M) + (1 - beta) KL(Q||M) with P the teacher
+        return LigerJSD(beta=LOSSES["jsd"])(log_p, log_q)
+    kl = LigerKLDIVLoss(reduction="batchmean", log_target=True)  # KL(target || input)
+    return kl(log_p, log_q) if loss == "forward_kl" else kl(log_q, log_p)
+
+
+METHODS = {"nitrobrew": nitrobrew_loss, "naive": naive_loss, "liger": liger_loss}
+
+
+def bytes_moved(loss, mode, n, v, elem):
+    matrix = n * v * elem
+    forward = (4 if loss == "jsd" else 2) * matrix
+    return forward + (3 * matrix if mode == "fwd_bwd" else 0)
+
+
+def measure(method, loss, mode, zs, zt, args):
+    device = zs.device
+    if method == "copy":
+        dst = torch.empty_like(zs)
+        run = lambda: dst.copy_(zs)  # noqa: E731
+    else:
+        fn = METHODS[method]
+
+        def run():
+            if mode == "forward":
+                with torch.no_grad():
+                    return fn(zs, zt, loss)
+            zs.grad = None
+            fn(zs, zt, loss).backward()
+
+    zs.grad = None  # a gradient left by the previous measurement would hide this one's
+    base = memory_baseline(device)
+    times = time_runs(run, device, args.warmup, args.repeats)
+    return {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times),
+            "peak_extra_mib": peak_extra_mib(device, base)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    has_cuda = torch.cuda.is_available()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
+    p.add_argument("--shape", default="8192,152064", help="N,V")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    n, v = (int(x) for x in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    zt = (torch.randn(n, v, device=device) * 2).to(dtype)
+    zs = (zt.float() + torch.randn(n, v, device=device)).to(dtype).requires_grad_()
+    today = datetime.date.today().isoformat()
+    common = {"date": today, "device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda or "",
+              "dtype": args.dtype, "N": n, "V": v}
+    rows = []
+    copy = measure("copy", "", "copy", zs.detach(), zt, args)
+    copy_gbs = 2 * n * v * zs.element_size() / copy["median_ms"] / 1e6
+    rows.append({**common, **copy, "method": "copy", "loss": "", "mode": "copy", "bytes_moved": 2 * n * v * zs.element_size(),
+                 "gb_per_s": copy_gbs, "fraction_of_copy": 1.0})
+    print(f"copy: {copy['median_ms']:.2f} ms, {copy_gbs:.0f} GB/s")
+    for loss in args.losses:
+        for mode in ("forward", "fwd_bwd"):
+            for method in args.methods:
+                row = {**common, "method": method, "loss": loss, "mode": mode}
+                try:
+                    row.update(measure(method, loss, mode, zs, zt, args))
+                except OOM_ERROR as e:
+                    row.update(status="oom", error=short_error(e))
+                except Exception as e:  # noqa: BLE001 (a missing peer is reported, the sweep goes on)
+                    row.update(status="error")
+                    print(f"{method} {loss} {mode}: {short_error(e)}")
+                free_device_memory(device)
+                if method == "nitrobrew" and row["status"] == "ok":
+                    moved = bytes_moved(loss, mode, n, v, zs.element_size())
+                    gbs = moved / row["median_ms"] / 1e6
+                    row.update(bytes_moved=moved, gb_per_s=gbs, fraction_of_copy=gbs / copy_gbs)
+                rows.append(row)
+                print(f"{method:10s} {loss:10s} {mode:8s} {row['status']:6s} "
+                      f"{row.get('median_ms', float('nan')):8.2f} ms  {row.get('peak_extra_mib', float('nan')):9.1f} MiB"
+                      + (f"  {row['fraction_of_copy']:.2f} of copy" if "fraction_of_copy" in row else ""))
+    out = args.out or Path(__file__).parent / "results" / f"logits_{args.device}_{today}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
