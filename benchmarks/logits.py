@@ -10,6 +10,8 @@ The logits exist before the timed region (they are the input); each run computes
   liger      liger-kernel's LigerKLDIVLoss (forward / reverse KL) or LigerJSD on log_softmax outputs
              (the log-probabilities those losses take), where liger_kernel is installed;
   copy       one copy of an [N, V] tensor in the logits' dtype: the device's copy bandwidth.
+With --topk K ..., also nitrobrew.logits.topk_kl (normalize="full") against the teacher's top-K of
+the same logits, and naive PyTorch for it (float32 log_softmax of the student, gather, the K terms).
 Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
 bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD twice; backward: both
 again and dzs written) and, for nitrobrew, those bytes per second as a fraction of the copy's.
@@ -66,19 +68,32 @@ def liger_loss(zs, zt, loss):
 METHODS = {"nitrobrew": nitrobrew_loss, "naive": naive_loss, "liger": liger_loss}
 
 
+def topk_methods(ids, lps):
+    def nitrobrew_topk(zs, zt, loss):
+        return nitrobrew.logits.topk_kl(zs, ids, lps, normalize="full")
+
+    def naive_topk(zs, zt, loss):
+        log_p = F.log_softmax(zs.float(), -1).gather(-1, ids)
+        return (lps.exp() * (lps - log_p)).sum(-1).mean()
+
+    return {"nitrobrew": nitrobrew_topk, "naive": naive_topk}
+
+
 def bytes_moved(loss, mode, n, v, elem):
     matrix = n * v * elem
+    if loss.startswith("topk"):  # the student's logits once, then again and dzs written
+        return matrix + (2 * matrix if mode == "fwd_bwd" else 0)
     forward = (4 if loss == "jsd" else 2) * matrix
     return forward + (3 * matrix if mode == "fwd_bwd" else 0)
 
 
-def measure(method, loss, mode, zs, zt, args):
+def measure(method, loss, mode, zs, zt, args, methods=METHODS):
     device = zs.device
     if method == "copy":
         dst = torch.empty_like(zs)
         run = lambda: dst.copy_(zs)  # noqa: E731
     else:
-        fn = METHODS[method]
+        fn = methods[method]
 
         def run():
             if mode == "forward":
@@ -104,6 +119,7 @@ def main():
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--topk", type=int, nargs="*", default=[], help="also top-K losses with these K")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -121,12 +137,16 @@ def main():
     rows.append({**common, **copy, "method": "copy", "loss": "", "mode": "copy", "bytes_moved": 2 * n * v * zs.element_size(),
                  "gb_per_s": copy_gbs, "fraction_of_copy": 1.0})
     print(f"copy: {copy['median_ms']:.2f} ms, {copy_gbs:.0f} GB/s")
-    for loss in args.losses:
+    cases = [(loss, METHODS, args.methods) for loss in args.losses]
+    for k in args.topk:
+        lps, ids = torch.log_softmax(zt.float(), -1).topk(k, dim=-1)
+        cases.append((f"topk{k}", topk_methods(ids, lps), [m for m in args.methods if m != "liger"]))
+    for loss, methods, names in cases:
         for mode in ("forward", "fwd_bwd"):
-            for method in args.methods:
+            for method in names:
                 row = {**common, "method": method, "loss": loss, "mode": mode}
                 try:
-                    row.update(measure(method, loss, mode, zs, zt, args))
+                    row.update(measure(method, loss, mode, zs, zt, args, methods))
                 except OOM_ERROR as e:
                     row.update(status="oom", error=short_error(e))
                 except Exception as e:  # noqa: BLE001 (a missing peer is reported, the sweep goes on)

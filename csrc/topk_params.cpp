@@ -11,7 +11,8 @@ namespace nitrobrew {
 
 TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
-                                  int64_t ignore_index, double temperature, bool renormalize) {
+                                  int64_t ignore_index, double temperature, bool renormalize,
+                                  bool check_ids_on_host) {
   TORCH_CHECK(zs.dim() == 2, "zs must be [N, V], got ", zs.sizes());
   TORCH_CHECK(zs.scalar_type() == at::kFloat || zs.scalar_type() == at::kDouble || zs.scalar_type() == at::kBFloat16 ||
                   zs.scalar_type() == at::kHalf,
@@ -27,9 +28,9 @@ TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teache
   for (const at::Tensor* t : {&teacher_ids, &teacher_logprobs}) {
     TORCH_CHECK(t->device() == zs.device(), "zs, teacher_ids and teacher_logprobs must be on one device");
   }
-  // The range check reads the ids on the host: fine for the CPU op; a CUDA op must check on the
-  // device instead, without synchronizing.
-  if (teacher_ids.numel() > 0) {
+  // The range check reads the ids on the host: fine for the CPU op; the CUDA op checks on the
+  // device instead (check_ids_on_host = false), without synchronizing.
+  if (check_ids_on_host && teacher_ids.numel() > 0) {
     const auto [lo, hi] = at::aminmax(teacher_ids);
     const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
     TORCH_CHECK(min_id >= 0 && max_id < zs.size(1), "teacher_ids must be in [0, V = ", zs.size(1), "), got ids from ",

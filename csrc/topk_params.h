@@ -19,9 +19,11 @@ struct TopKParams {
   int64_t num_rows, vocab_size, k;
 };
 
-// Checks the logits [N, V], ids [N, K] (int64, in [0, V)), log-probabilities [N, K] and labels.
+// Checks the logits [N, V], ids [N, K] (int64, in [0, V): read on the host unless told not to),
+// log-probabilities [N, K] and labels.
 TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
-                                  int64_t ignore_index, double temperature, bool renormalize);
+                                  int64_t ignore_index, double temperature, bool renormalize,
+                                  bool check_ids_on_host = true);
 
 }  // namespace nitrobrew

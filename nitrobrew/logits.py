@@ -10,7 +10,7 @@ Entries of -inf (masked or padded vocabulary) have probability 0 and contribute 
 every row needs a finite logit in both models (on the CPU a row without one is an error; on CUDA its
 loss and gradient are NaN, as a check would need a host synchronization). Only zs receives a
 gradient. The forward reads each logit once (JSD: twice); the backward recomputes from per-row
-statistics and writes dLoss/dzs. CPU and CUDA kernels (topk_kl: CPU only so far).
+statistics and writes dLoss/dzs. CPU and CUDA kernels.
 nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
 """
 
@@ -31,12 +31,10 @@ NORMALIZATIONS = ("full", "topk")
 _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
-def _common_checks(zs, temperature, reduction, labels, ignore_index, *, cpu_only=False):
+def _common_checks(zs, temperature, reduction, labels, ignore_index):
     """Checks shared by every loss here; returns (temperature, reduction, labels)."""
     if zs.device.type not in _KERNEL_DEVICE_TYPES:
         raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
-    if cpu_only and zs.device.type != "cpu":
-        raise NotImplementedError("nitrobrew.logits.topk_kl has CPU kernels only so far")
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, zs.shape[:-1], zs.device, of="zs")
@@ -103,7 +101,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     sum_k q_k (log q_k - log p_{id_k}) with q_k = exp(teacher_logprobs_k).
     normalize="full": p is the student's softmax over the whole vocabulary and q_k is used as given (its
     sum may be < 1); "topk": both are renormalized over the K ids. The temperature divides the student's
-    logits only. Other options as in forward_kl; the gradient flows to zs only.
+    logits only. Other options as in forward_kl; the gradient flows to zs only. On CUDA, ids outside
+    [0, V) stop the kernel with a device-side assertion (as torch.gather's do); the CPU raises.
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")
@@ -124,7 +123,7 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     if not 1 <= k <= vocab:
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
-    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index, cpu_only=True)
+    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         teacher_logprobs = teacher_logprobs.clone() if teacher_logprobs.is_inference() else teacher_logprobs
         teacher_ids = teacher_ids.clone() if teacher_ids.is_inference() else teacher_ids

@@ -1,5 +1,6 @@
-"""Runs the CUDA kernels of the logit-level losses (KL pass, JSD's mixture pass, gradient) once on
-small, awkward problems, for compute-sanitizer:
+"""Runs the CUDA kernels of the logit-level losses (KL pass, JSD's mixture pass, gradient) and of
+the top-K losses (forward, backward; both normalizations, repeated ids) once on small, awkward
+problems, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tools/sanitize_logit_distill.py
 """
@@ -26,6 +27,18 @@ def main():
         zs, zt = zs[:, ::wide].requires_grad_(), zt[:, ::wide]
         labels = torch.tensor([0, -100, 3, 4, -100, 5, 6], device=dev)
         loss = loss_fn(zs, zt, labels=labels, temperature=1.5)
+        (grad,) = torch.autograd.grad(loss, zs)
+        torch.cuda.synchronize()
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    for dtype, v, strided, normalize in itertools.product(
+            [torch.float32, torch.bfloat16, torch.float64], [1024, 1027], [False, True], ["full", "topk"]):
+        wide = 2 if strided else 1
+        zs = torch.randn(7, v * wide, device=dev, dtype=dtype)[:, ::wide].requires_grad_()
+        lps, ids = torch.randn(7, v, device=dev).log_softmax(-1).topk(300, dim=-1)
+        ids[:, 7] = ids[:, 3]  # a repeated id
+        lps[2] = float("-inf")  # a teacher that kept no mass
+        labels = torch.tensor([0, -100, 3, 4, -100, 5, 6], device=dev)
+        loss = nitrobrew.logits.topk_kl(zs, ids, lps, normalize=normalize, labels=labels, temperature=1.5)
         (grad,) = torch.autograd.grad(loss, zs)
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(grad).all()

@@ -21,57 +21,11 @@
 #include "../fused_linear_params.h"
 #include "../row_stats.h"
 #include "fused_linear_common.cuh"
+#include "row_kernels.cuh"
 
 namespace nitrobrew {
 namespace cuda {
 namespace {
-
-constexpr int kRowThreads = 256;
-
-// exp for the row math: the special-function unit's for 16-bit inputs (as the fused-linear
-// passes), the accurate one for float32 and float64.
-template <typename T, typename acc_t>
-struct RowExp {
-  __device__ __forceinline__ acc_t operator()(acc_t x) const {
-    if constexpr (sizeof(T) == 2) {
-      return __expf(x);
-    } else {
-      return exp(x);
-    }
-  }
-};
-
-// Conversions between the logits' storage type and the row math's type (16-bit types have no
-// implicit conversions in torch's CUDA builds).
-template <typename acc_t, typename T>
-__device__ __forceinline__ acc_t to_acc(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return static_cast<acc_t>(x);
-  }
-}
-
-template <typename T, typename acc_t>
-__device__ __forceinline__ T from_acc(acc_t x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16(x);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half(x);
-  } else {
-    return static_cast<T>(x);
-  }
-}
-
-// Element v of row n of a [N, V] matrix at any strides.
-template <typename T>
-struct Rows {
-  const T* base;
-  int64_t ld, stride;  // row and column strides in elements
-  __device__ __forceinline__ const T* row(int64_t n) const { return base + n * ld; }
-};
 
 // Calls f(s[k], t[k]) on chunks of the row, kN entries (one 16-byte load of each) or 1 entry at a
 // time: each thread takes every blockDim.x-th chunk. f gets the chunk's entries and their first
@@ -113,11 +67,6 @@ __device__ __forceinline__ void merge_parts(KLState<acc_t>& a, const KLState<acc
   } else {
     merge(a, b);
   }
-}
-
-template <typename acc_t>
-__device__ __forceinline__ acc_t shfl(acc_t v, int lane) {
-  return __shfl_xor_sync(0xffffffffu, v, lane);
 }
 
 // The KL pass's per-thread state: the one-pass KL state of the entries it saw, rescaled only
@@ -195,29 +144,6 @@ __device__ KLState<acc_t> block_merge(KLState<acc_t> st) {
     }
   }
   return st;
-}
-
-// Block-wide sums of two values; valid in thread 0.
-template <typename acc_t>
-__device__ void block_sum2(acc_t& x, acc_t& y) {
-  __shared__ acc_t scratch[kRowThreads / 32][2];
-#pragma unroll
-  for (int mask = 16; mask >= 1; mask >>= 1) {
-    x += shfl(x, mask);
-    y += shfl(y, mask);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    scratch[warp][0] = x;
-    scratch[warp][1] = y;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kRowThreads / 32; ++w) {
-      x += scratch[w][0];
-      y += scratch[w][1];
-    }
-  }
 }
 
 template <typename acc_t>
