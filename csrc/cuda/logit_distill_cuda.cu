@@ -28,11 +28,11 @@ namespace cuda {
 namespace {
 
 // Calls f(s[k], t[k]) on chunks of the row, kN entries (one 16-byte load of each) or 1 entry at a
-// time: each thread takes every blockDim.x-th chunk. f gets the chunk's entries and their first
-// column.
-template <int kN, typename T, typename acc_t, typename F>
+// time: each thread takes every blockDim.x-th chunk. The logits are scaled (and rounded) in
+// scale_t, then converted to acc_t. f gets the chunk's entries and their first column.
+template <int kN, typename T, typename acc_t, typename scale_t, typename F>
 __device__ __forceinline__ void for_each_chunk(const T* zs, const T* zt, int64_t stride_s, int64_t stride_t,
-                                               int64_t vocab, bool vectorized, acc_t inv_t, F&& f) {
+                                               int64_t vocab, bool vectorized, scale_t inv_t, F&& f) {
   int64_t v = 0;
   if (vectorized) {
     const int64_t chunks = vocab / kN;
@@ -44,16 +44,16 @@ __device__ __forceinline__ void for_each_chunk(const T* zs, const T* zt, int64_t
       acc_t s[kN], t[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        s[k] = scale_logit(to_acc<acc_t>(ps[k]), inv_t);
-        t[k] = scale_logit(to_acc<acc_t>(pt[k]), inv_t);
+        s[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(ps[k]), inv_t));
+        t[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(pt[k]), inv_t));
       }
       f.template chunk<kN>(s, t, c * kN);
     }
     v = chunks * kN;
   }
   for (int64_t i = v + threadIdx.x; i < vocab; i += blockDim.x) {
-    acc_t s[1] = {scale_logit(to_acc<acc_t>(zs[i * stride_s]), inv_t)};
-    acc_t t[1] = {scale_logit(to_acc<acc_t>(zt[i * stride_t]), inv_t)};
+    acc_t s[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zs[i * stride_s]), inv_t))};
+    acc_t t[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zt[i * stride_t]), inv_t))};
     f.template chunk<1>(s, t, i);
   }
 }
@@ -154,6 +154,7 @@ struct RowArgs {
   acc_t inv_t;
   bool vectorized;
   DivergenceParams<acc_t> div;
+  DivergenceParams<double> div64;  // for the mixture pass of float32 inputs (MixtureType)
   acc_t* loss;   // [N]
   acc_t* stats;  // [N, kNumRowStats]
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
@@ -205,17 +206,33 @@ struct MixtureSums {
   }
 };
 
+// The mixture pass's arithmetic type: float64 for float32 inputs. Its per-entry terms
+// q (log q - log M) are differences of nearly equal numbers when p ~ q, and in float32 the CUDA
+// kernel's sums came out biased: JSD ~8e-9 per row came out as ~1e-9, where float64 arithmetic
+// from the same (float32) row statistics is exact to 1e-13 (benchmarks/NOTES.md). 16-bit inputs
+// keep float32: their gradients are rounded far more coarsely than that.
+template <typename T, typename acc_t>
+using MixtureType = std::conditional_t<std::is_same_v<T, float>, double, acc_t>;
+
 template <typename T, typename acc_t>
 __global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
+  using mix_t = MixtureType<T, acc_t>;
   const int64_t n = blockIdx.x;
   if (!a.valid(n)) return;
   acc_t* stats = a.stats + n * kNumRowStats;
-  MixtureSums<T, acc_t> sums{a.div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]}};
-  for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, sums);
+  DivergenceParams<mix_t> div;
+  if constexpr (std::is_same_v<mix_t, acc_t>) {
+    div = a.div;
+  } else {
+    div = a.div64;
+  }
+  MixtureSums<T, mix_t> sums{div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]}};
+  for_each_chunk<16 / sizeof(T), T, mix_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized,
+                                           a.inv_t, sums);  // logits scaled (rounded) as in the other passes
   block_sum2(sums.kl_q_m, sums.kl_p_m);
   if (threadIdx.x != 0) return;
-  a.loss[n] = a.div.beta * sums.kl_q_m + a.div.one_minus_beta * sums.kl_p_m;
-  stats[kGradCenter] = sums.kl_p_m;
+  a.loss[n] = static_cast<acc_t>(div.beta * sums.kl_q_m + div.one_minus_beta * sums.kl_p_m);
+  stats[kGradCenter] = static_cast<acc_t>(sums.kl_p_m);
 }
 
 // dLoss/dzs of a chunk, stored in the logits' dtype.
@@ -286,6 +303,7 @@ RowArgs<acc_t> row_args(const at::Tensor& zs, const at::Tensor& zt, const c10::o
   a.inv_t = static_cast<acc_t>(p.inv_temperature);
   a.vectorized = rows_vectorizable(zs) && rows_vectorizable(zt);
   a.div = divergence_params<acc_t>(p);
+  a.div64 = divergence_params<double>(p);
   a.loss = loss;
   a.stats = stats;
   return a;
