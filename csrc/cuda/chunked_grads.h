@@ -1,0 +1,30 @@
+// The matrix gradients of a loss over x . w^T logits, from dLoss/dz written one vocabulary chunk
+// at a time: shared by the CUDA backwards of the fused-linear and the top-K losses.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <tuple>
+
+namespace nitrobrew {
+namespace cuda {
+
+// Writes dLoss/dz without the per-row upstream gradient for vocabulary entries
+// [chunk_begin, chunk_begin + chunk_cols) into dz ([N, >= chunk_cols], row-major, xs's dtype).
+using FillGradChunk = std::function<void(int64_t chunk_begin, int64_t chunk_cols, at::Tensor& dz)>;
+
+// Walks the first vocab_size rows of ws in chunks (starting at multiples of kGradChunkAlign; at
+// most max_chunk_cols wide when that is > 0, rounded up to the alignment) and returns
+//   dxs = g * sum_chunks dz_chunk . ws_chunk       (accumulated in float32)
+//   dws[chunk] = dz_chunk^T . (g * xs)             (rows past vocab_size are 0)
+// in xs's dtype, each an empty tensor when not requested. g = grad_loss [N]. xs and ws must have
+// unit-stride rows. Extra memory: the chunk buffer (at most ~192 MiB), the float32 dxs
+// accumulator and g * xs.
+std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
+                                                        const at::Tensor& ws, int64_t vocab_size,
+                                                        int64_t max_chunk_cols, bool compute_dxs, bool compute_dws,
+                                                        const FillGradChunk& fill);
+
+}  // namespace cuda
+}  // namespace nitrobrew
