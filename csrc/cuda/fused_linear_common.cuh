@@ -147,8 +147,15 @@ __global__ void __launch_bounds__(kThreads)
   Acc zs, zt;
   for (int64_t tile = sched.begin(split); tile < sched.end(split); ++tile) {
     const int64_t v0 = tile * kTileCols;
-    logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
-    pass.tile(a, rows, v0, zs, zt);
+    if constexpr (Pass::kStudentOnly) {
+      tile_gemm<T, kVec>(zs, smem, rows_of(a.xs, a.ld_xs, row0, a.n_rows), rows_of(a.ws, a.ld_ws, v0, a.vocab_size),
+                         a.d_s);
+      apply_softcap(zs, a.softcap_s);
+      pass.tile(a, rows, v0, zs, zs);
+    } else {
+      logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
+      pass.tile(a, rows, v0, zs, zt);
+    }
   }
   pass.finish(a, rows, split);
 }

@@ -36,6 +36,13 @@ class LogitTilePasses {
   // of kGradChunkAlign.
   void grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk) const;
 
+  // The student-only passes (student_passes.cuh) of the top-K loss, which multiply xs . ws^T
+  // alone: the softmax state per row and split into partial [forward_splits, N, 2] (float64), and the
+  // dense part of dLoss/dz (grad_rows [N, 3] float32, StudentGradRow) for a chunk as grad_pass.
+  void student_norm_pass(at::Tensor& partial) const;
+  void student_grad_pass(const at::Tensor& grad_rows, int64_t chunk_begin, int64_t chunk_cols,
+                         at::Tensor& grad_chunk) const;
+
  private:
   at::Tensor xs_, xt_, ws_, wt_;
   c10::optional<at::Tensor> labels_;

@@ -9,6 +9,8 @@
 //               and split, merged by the forward's merge kernel;
 //   MixturePass forward pass 2 of JSD: sums of q (log q - log M) and p (log p - log M);
 //   GradPass    backward: dLoss/dz of the tile, written to a [N x chunk] buffer.
+// A pass whose kStudentOnly is true sees the student's tile alone (as both arguments of tile):
+// the kernels then skip the teacher's product (student_passes.cuh).
 #pragma once
 
 #include "fused_linear_common.cuh"
@@ -55,6 +57,7 @@ __device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxSta
 
 template <typename T>
 struct KLPass {
+  static constexpr bool kStudentOnly = false;
   struct Params {
     float* partial;      // [splits, N, kPartialFields]
     float* label_logit;  // [N]: the student's raw logit of the label (CE add-on)
@@ -136,6 +139,7 @@ struct KLPass {
 
 template <typename T>
 struct MixturePass {
+  static constexpr bool kStudentOnly = false;
   struct Params {
     const float* row_stats;  // [N, kNumRowStats] from pass 1
     float* partial;          // [splits, N, 2]
@@ -213,6 +217,7 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
 // for the same products (benchmarks/NOTES.md).
 template <typename T>
 struct GradPass {
+  static constexpr bool kStudentOnly = false;
   struct Params {
     const float* row_stats;  // [N, kNumRowStats] from the forward
     int64_t chunk_begin, chunk_cols;

@@ -259,7 +259,8 @@ struct RingSlot {
 };
 
 // The producer: one thread that streams the block's slabs into the ring, in the order the
-// consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's.
+// consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's (none
+// for a student-only pass: k_slabs_t = 0).
 struct Loader {
   const TensorMaps* maps;
   uint8_t* smem;
@@ -285,7 +286,7 @@ struct Loader {
     slot.advance();
     if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
       ks = 0;
-      teacher ^= 1;
+      teacher = !teacher && k_slabs_t > 0;  // no teacher slabs: student-only passes
       if (!teacher) ++tile;
     }
   }
@@ -356,7 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   order.decode(blockIdx.x, row_block, split);
   const int64_t row0 = row_block * kRows;
   const int64_t first = sched.begin(split), last = sched.end(split);
-  const int k_slabs_s = static_cast<int>((a.d_s + kK - 1) / kK), k_slabs_t = static_cast<int>((a.d_t + kK - 1) / kK);
+  const int k_slabs_s = static_cast<int>((a.d_s + kK - 1) / kK);
+  const int k_slabs_t = Pass::kStudentOnly ? 0 : static_cast<int>((a.d_t + kK - 1) / kK);
 
   // Each role is one branch, so that ptxas honours setmaxnreg: the producer warpgroup gives its
   // registers to the consumers. The counts must fit the block's launch allocation, 12 warps x
@@ -381,10 +383,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int64_t tile = first; tile < last; ++tile) {
       ring.multiply<T>(z, k_slabs_s, consumer, lane);
       apply_softcap(z, a.softcap_s);
-      zs_parked.park(z);
-      ring.multiply<T>(z, k_slabs_t, consumer, lane);
-      apply_softcap(z, a.softcap_t);
-      pass.tile(a, rows, tile * kCols, zs_parked, z);
+      if constexpr (Pass::kStudentOnly) {
+        pass.tile(a, rows, tile * kCols, z, z);
+      } else {
+        zs_parked.park(z);
+        ring.multiply<T>(z, k_slabs_t, consumer, lane);
+        apply_softcap(z, a.softcap_t);
+        pass.tile(a, rows, tile * kCols, zs_parked, z);
+      }
     }
     pass.finish(a, rows, split);
   }

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "hopper_gemm.cuh"
+#include "student_passes.cuh"
 #include "tma.h"
 
 namespace nitrobrew {
@@ -183,6 +184,17 @@ LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end, b
   return {VocabSchedule{first, end, per}, (tiles + per - 1) / per, group};
 }
 
+// The launch plan of a backward pass over a chunk, after checking the chunk buffer.
+LaunchPlan grad_plan(KernelPath path, int64_t tile_cols, int64_t rows, int64_t chunk_begin, int64_t chunk_cols,
+                     const at::Tensor& grad_chunk) {
+  TORCH_CHECK(grad_chunk.stride(1) == 1 && grad_chunk.size(1) >= chunk_cols && grad_chunk.size(0) == rows);
+  TORCH_CHECK(chunk_begin % kGradChunkAlign == 0 && grad_chunk.stride(0) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(grad_chunk.data_ptr()) % 8 == 0,
+              "nitrobrew: misaligned backward chunk");  // the gradient passes store entry pairs
+  return plan_for(path, rows, chunk_begin / tile_cols, (chunk_begin + chunk_cols + tile_cols - 1) / tile_cols,
+                  /*for_grad=*/true);
+}
+
 }  // namespace
 
 bool use_sm90a_kernels() { return !forced_sm80() && sm90a_kernels_loaded(); }
@@ -249,18 +261,35 @@ void LogitTilePasses::mixture_pass(const at::Tensor& row_stats, at::Tensor& part
 
 void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols,
                                 at::Tensor& grad_chunk) const {
-  TORCH_CHECK(grad_chunk.stride(1) == 1 && grad_chunk.size(1) >= chunk_cols && grad_chunk.size(0) == p_.num_rows);
-  TORCH_CHECK(chunk_begin % kGradChunkAlign == 0 && grad_chunk.stride(0) % 2 == 0 &&
-                  reinterpret_cast<uintptr_t>(grad_chunk.data_ptr()) % 8 == 0,
-              "nitrobrew: misaligned backward chunk");  // GradPass stores entry pairs
+  const LaunchPlan plan = grad_plan(path_, tile_cols_, p_.num_rows, chunk_begin, chunk_cols, grad_chunk);
   if (p_.num_rows == 0 || chunk_cols == 0) return;
-  const LaunchPlan plan =
-      plan_for(path_, p_.num_rows, chunk_begin / tile_cols_, (chunk_begin + chunk_cols + tile_cols_ - 1) / tile_cols_,
-               /*for_grad=*/true);
   NITROBREW_DISPATCH_16_32("nitrobrew_grad_pass", {
     const typename GradPass<T>::Params params{row_stats.data_ptr<float>(), chunk_begin, chunk_cols,
                                               reinterpret_cast<T*>(grad_chunk.data_ptr()), grad_chunk.stride(0)};
     launch_pass<T, GradPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
+  });
+}
+
+void LogitTilePasses::student_norm_pass(at::Tensor& partial) const {
+  const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
+  const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_, kGroupRowBlocks};
+  NITROBREW_DISPATCH_16_32("nitrobrew_student_norm_pass", {
+    const typename StudentNormPass<T>::Params params{partial.data_ptr<double>()};
+    launch_pass<T, StudentNormPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
+  });
+}
+
+void LogitTilePasses::student_grad_pass(const at::Tensor& grad_rows, int64_t chunk_begin, int64_t chunk_cols,
+                                        at::Tensor& grad_chunk) const {
+  TORCH_CHECK(grad_rows.is_contiguous() && grad_rows.scalar_type() == at::kFloat &&
+              grad_rows.size(0) == p_.num_rows && grad_rows.size(1) == kNumStudentGradRow);
+  const LaunchPlan plan = grad_plan(path_, tile_cols_, p_.num_rows, chunk_begin, chunk_cols, grad_chunk);
+  if (p_.num_rows == 0 || chunk_cols == 0) return;
+  NITROBREW_DISPATCH_16_32("nitrobrew_student_grad_pass", {
+    const typename StudentGradPass<T>::Params params{grad_rows.data_ptr<float>(), chunk_begin, chunk_cols,
+                                                     reinterpret_cast<T*>(grad_chunk.data_ptr()),
+                                                     grad_chunk.stride(0)};
+    launch_pass<T, StudentGradPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
   });
 }
 
