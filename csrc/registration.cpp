@@ -53,6 +53,20 @@ TORCH_LIBRARY(nitrobrew, m) {
       "topk_logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize) -> Tensor");
 
+  // Top-K teacher distillation from the student's hidden states xs [N, D] and unembedding ws [V, D]:
+  // the loss of topk_logit_distill_fwd for the logits xs . ws^T, never formed: the K logits are dot
+  // products with gathered rows of ws, the log-normalizer ("full") an online pass over vocabulary
+  // chunks (chunk_v wide on the CPU, 0 = automatic). Returns loss [N] (float32, float64 for float64
+  // inputs) and row_stats [N, 4 + K] (float64: TopKRowStat, then the K gathered logits).
+  m.def(
+      "topk_linear_distill_fwd(Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
+      "int ignore_index, float temperature, bool renormalize, int chunk_v) -> (Tensor, Tensor)");
+  // Recompute backward: (dxs, dws), each an empty tensor when not requested.
+  m.def(
+      "topk_linear_distill_bwd(Tensor grad_loss, Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize, int chunk_v, "
+      "bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
+
   // Attention-distribution KL, forward. Layout [B, N, H, D]; scores scale * q.k / temperature
   // per model, keys hidden by key_mask ([B, N_k] bool, true = attended) or by the
   // bottom-right causal mask excluded. reverse: KL(student || teacher), else KL(teacher ||

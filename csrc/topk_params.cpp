@@ -9,44 +9,93 @@
 
 namespace nitrobrew {
 
+namespace {
+
+bool floating_dtype(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == at::kFloat || d == at::kDouble || d == at::kBFloat16 || d == at::kHalf;
+}
+
+// The teacher's ids [N, K] and log-probabilities, the temperature and the labels, against `rows_of`
+// ([N, ...], named `name`) and a vocabulary of `vocab` entries. The range check reads the ids on the
+// host: fine for the CPU ops; the CUDA ops check on the device instead (check_ids_on_host = false),
+// without synchronizing.
+TopKParams checked_teacher(const at::Tensor& rows_of, const char* name, int64_t vocab, const at::Tensor& teacher_ids,
+                           const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
+                           int64_t ignore_index, double temperature, bool renormalize, bool check_ids_on_host) {
+  TORCH_CHECK(teacher_ids.scalar_type() == at::kLong, "teacher_ids must be int64, got ", teacher_ids.scalar_type());
+  TORCH_CHECK(at::isFloatingType(teacher_logprobs.scalar_type()), "teacher_logprobs must be floating point, got ",
+              teacher_logprobs.scalar_type());
+  TORCH_CHECK(teacher_ids.dim() == 2 && teacher_ids.size(0) == rows_of.size(0) &&
+                  teacher_ids.sizes() == teacher_logprobs.sizes(),
+              "teacher_ids and teacher_logprobs must both be [N, K] with N = ", rows_of.size(0), ", got ",
+              teacher_ids.sizes(), " and ", teacher_logprobs.sizes());
+  TORCH_CHECK(teacher_ids.size(1) >= 1 && teacher_ids.size(1) <= vocab, "K must be in [1, V = ", vocab, "], got ",
+              teacher_ids.size(1));
+  for (const at::Tensor* t : {&teacher_ids, &teacher_logprobs}) {
+    TORCH_CHECK(t->device() == rows_of.device(), name, ", teacher_ids and teacher_logprobs must be on one device");
+  }
+  if (check_ids_on_host && teacher_ids.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(teacher_ids);
+    const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
+    TORCH_CHECK(min_id >= 0 && max_id < vocab, "teacher_ids must be in [0, V = ", vocab, "), got ids from ", min_id,
+                " to ", max_id);
+  }
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "temperature must be a positive number, got ",
+              temperature);
+  check_labels(labels, rows_of, name);
+  TopKParams p;
+  p.renormalize = renormalize;
+  p.inv_temperature = 1.0 / temperature;
+  p.ignore_index = ignore_index;
+  p.num_rows = rows_of.size(0);
+  p.vocab_size = vocab;
+  p.k = teacher_ids.size(1);
+  p.hidden = 0;
+  p.chunk_v = 0;
+  return p;
+}
+
+}  // namespace
+
 TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                   int64_t ignore_index, double temperature, bool renormalize,
                                   bool check_ids_on_host) {
   TORCH_CHECK(zs.dim() == 2, "zs must be [N, V], got ", zs.sizes());
-  TORCH_CHECK(zs.scalar_type() == at::kFloat || zs.scalar_type() == at::kDouble || zs.scalar_type() == at::kBFloat16 ||
-                  zs.scalar_type() == at::kHalf,
-              "zs must be float32, float64, bfloat16 or float16, got ", zs.scalar_type());
-  TORCH_CHECK(teacher_ids.scalar_type() == at::kLong, "teacher_ids must be int64, got ", teacher_ids.scalar_type());
-  TORCH_CHECK(at::isFloatingType(teacher_logprobs.scalar_type()), "teacher_logprobs must be floating point, got ",
-              teacher_logprobs.scalar_type());
-  TORCH_CHECK(teacher_ids.dim() == 2 && teacher_ids.size(0) == zs.size(0) && teacher_ids.sizes() == teacher_logprobs.sizes(),
-              "teacher_ids and teacher_logprobs must both be [N, K] with N = ", zs.size(0), ", got ",
-              teacher_ids.sizes(), " and ", teacher_logprobs.sizes());
-  TORCH_CHECK(teacher_ids.size(1) >= 1 && teacher_ids.size(1) <= zs.size(1), "K must be in [1, V = ", zs.size(1),
-              "], got ", teacher_ids.size(1));
-  for (const at::Tensor* t : {&teacher_ids, &teacher_logprobs}) {
-    TORCH_CHECK(t->device() == zs.device(), "zs, teacher_ids and teacher_logprobs must be on one device");
-  }
-  // The range check reads the ids on the host: fine for the CPU op; the CUDA op checks on the
-  // device instead (check_ids_on_host = false), without synchronizing.
-  if (check_ids_on_host && teacher_ids.numel() > 0) {
-    const auto [lo, hi] = at::aminmax(teacher_ids);
-    const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
-    TORCH_CHECK(min_id >= 0 && max_id < zs.size(1), "teacher_ids must be in [0, V = ", zs.size(1), "), got ids from ",
-                min_id, " to ", max_id);
-  }
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, "temperature must be a positive number, got ",
-              temperature);
-  check_labels(labels, zs, "zs");
-  TopKParams p;
-  p.renormalize = renormalize;
-  p.inv_temperature = 1.0 / temperature;
-  p.ignore_index = ignore_index;
-  p.num_rows = zs.size(0);
-  p.vocab_size = zs.size(1);
-  p.k = teacher_ids.size(1);
+  TORCH_CHECK(floating_dtype(zs), "zs must be float32, float64, bfloat16 or float16, got ", zs.scalar_type());
+  return checked_teacher(zs, "zs", zs.size(1), teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                         renormalize, check_ids_on_host);
+}
+
+TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& teacher_ids,
+                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, double temperature, bool renormalize, int64_t chunk_v,
+                                   bool check_ids_on_host) {
+  TORCH_CHECK(xs.dim() == 2 && ws.dim() == 2 && ws.size(1) == xs.size(1),
+              "xs must be [N, D] and ws [V, D], got ", xs.sizes(), " and ", ws.sizes());
+  TORCH_CHECK(floating_dtype(xs), "xs must be float32, float64, bfloat16 or float16, got ", xs.scalar_type());
+  TORCH_CHECK(ws.scalar_type() == xs.scalar_type(), "xs and ws must share one dtype, got ", xs.scalar_type(),
+              " and ", ws.scalar_type());
+  TORCH_CHECK(ws.device() == xs.device(), "xs and ws must be on one device, got ", xs.device(), " and ",
+              ws.device());
+  TORCH_CHECK(ws.size(0) >= 1, "ws must have at least one row");
+  TORCH_CHECK(chunk_v >= 0, "chunk_v must be positive (or 0 for automatic), got ", chunk_v);
+  TopKParams p = checked_teacher(xs, "xs", ws.size(0), teacher_ids, teacher_logprobs, labels, ignore_index,
+                                 temperature, renormalize, check_ids_on_host);
+  p.hidden = xs.size(1);
+  p.chunk_v = chunk_v;
   return p;
+}
+
+void check_topk_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats, int64_t columns,
+                                const TopKParams& p, const at::Device& device) {
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows, "grad_loss must be [N] = [", p.num_rows,
+              "], got ", grad_loss.sizes());
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == columns,
+              "row_stats must be [N, ", columns, "] as the forward returns it, got ", row_stats.sizes());
+  TORCH_CHECK(grad_loss.device() == device && row_stats.device() == device, "grad_loss and row_stats must be on ",
+              device);
 }
 
 }  // namespace nitrobrew

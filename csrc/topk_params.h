@@ -12,11 +12,17 @@ namespace nitrobrew {
 // renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none).
 enum TopKRowStat : int { kTopKMax = 0, kTopKLogSum, kTopKTeacherMax, kTopKTeacherLogSum, kNumTopKRowStats };
 
+// The top-K ops from hidden states (topk_linear_distill_*) save [N, kNumTopKRowStats + K] statistics:
+// these columns, then the K student logits z_{id_k} (before the temperature) that the forward gathered.
+constexpr int kTopKLogitsColumn = kNumTopKRowStats;
+
 struct TopKParams {
   bool renormalize;  // normalize="topk": both distributions renormalized over the K ids
   double inv_temperature;
   int64_t ignore_index;
   int64_t num_rows, vocab_size, k;
+  int64_t hidden;   // D of xs and ws (ops from hidden states; 0 for the ops from logits)
+  int64_t chunk_v;  // vocabulary chunk width requested by the caller (0 = automatic; ops from hidden states)
 };
 
 // Checks the logits [N, V], ids [N, K] (int64, in [0, V): read on the host unless told not to),
@@ -25,5 +31,16 @@ TopKParams make_topk_logit_params(const at::Tensor& zs, const at::Tensor& teache
                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                   int64_t ignore_index, double temperature, bool renormalize,
                                   bool check_ids_on_host = true);
+
+// The same checks for the ops from hidden states: xs [N, D] and ws [V, D] of one floating dtype in
+// place of the logits.
+TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& teacher_ids,
+                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, double temperature, bool renormalize, int64_t chunk_v,
+                                   bool check_ids_on_host = true);
+
+// grad_loss [N] and the forward's row statistics [N, columns] of a top-K backward, on `device`.
+void check_topk_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats, int64_t columns,
+                                const TopKParams& p, const at::Device& device);
 
 }  // namespace nitrobrew

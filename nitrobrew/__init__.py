@@ -9,6 +9,7 @@ from nitrobrew import logits
 from nitrobrew.attention import attention_kl
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.modules import DistillationLoss
+from nitrobrew.topk import topk_kl
 
 __version__ = "0.1.0"
-__all__ = ["forward_kl", "reverse_kl", "jsd", "attention_kl", "logits", "DistillationLoss"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl", "attention_kl", "logits", "DistillationLoss"]

@@ -89,3 +89,25 @@ def same_device(tensors: dict) -> None:
     if len(set(devices.values())) > 1:
         listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
         raise ValueError(f"all inputs must be on one device, got {listed}")
+
+
+TOPK_NORMALIZATIONS = ("full", "topk")
+
+
+def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Size, vocab: int, of: str) -> None:
+    """The top-K teacher's [..., K] ids (int64) and log-probabilities (floating, same shape, leading shape
+    of `of`), 1 <= K <= vocab, and a known normalization."""
+    tensor(teacher_ids, "teacher_ids")
+    tensor(teacher_logprobs, "teacher_logprobs")
+    if teacher_ids.dtype != torch.int64:
+        raise TypeError(f"teacher_ids must be int64, got {teacher_ids.dtype}")
+    if not teacher_logprobs.is_floating_point():
+        raise TypeError(f"teacher_logprobs must be floating point, got {teacher_logprobs.dtype}")
+    if normalize not in TOPK_NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {TOPK_NORMALIZATIONS}, got {normalize!r}")
+    if teacher_ids.shape != teacher_logprobs.shape or teacher_ids.shape[:-1] != lead_shape:
+        raise ValueError(f"teacher_ids and teacher_logprobs must both be [..., K] with {of}'s leading shape "
+                         f"{tuple(lead_shape)}, got {tuple(teacher_ids.shape)} and {tuple(teacher_logprobs.shape)}")
+    k = teacher_ids.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")

@@ -31,13 +31,13 @@ __all__ = ["forward_kl", "reverse_kl", "jsd"]
 _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
-def _autocast(xs, xt, ws, wt):
+def autocast_inputs(*tensors):
     """Under torch.autocast, compute in its dtype, as the lm_head matmuls it replaces would."""
-    device_type = xs.device.type
+    device_type = tensors[0].device.type
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return xs, xt, ws, wt
+        return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (xs, xt, ws, wt))
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def _resolve_vocab_size(ws: Tensor, wt: Tensor, vocab_size) -> int:
@@ -78,7 +78,7 @@ def _fused_linear_loss(
     if wt.shape[1] != xt.shape[-1]:
         raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
-    xs, xt, ws, wt = _autocast(xs, xt, ws, wt)
+    xs, xt, ws, wt = autocast_inputs(xs, xt, ws, wt)
     if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
         mismatch = "xs and ws" if ws.dtype != xs.dtype else "xt and wt" if wt.dtype != xt.dtype else "student and teacher"
         raise TypeError(

@@ -26,8 +26,6 @@ from nitrobrew.ops import logit_distill, topk_logit_distill
 
 __all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl"]
 
-NORMALIZATIONS = ("full", "topk")
-
 _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 
@@ -106,22 +104,11 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")
-    _checks.tensor(teacher_ids, "teacher_ids")
-    _checks.tensor(teacher_logprobs, "teacher_logprobs")
-    if teacher_ids.dtype != torch.int64:
-        raise TypeError(f"teacher_ids must be int64, got {teacher_ids.dtype}")
-    if not teacher_logprobs.is_floating_point():
-        raise TypeError(f"teacher_logprobs must be floating point, got {teacher_logprobs.dtype}")
-    if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     if zs.dim() < 1 or zs.shape[-1] == 0:
         raise ValueError(f"zs must be [..., V] logits with V >= 1, got {tuple(zs.shape)}")
-    if teacher_ids.shape != teacher_logprobs.shape or teacher_ids.shape[:-1] != zs.shape[:-1]:
-        raise ValueError(f"teacher_ids and teacher_logprobs must both be [..., K] with zs's leading shape "
-                         f"{tuple(zs.shape[:-1])}, got {tuple(teacher_ids.shape)} and {tuple(teacher_logprobs.shape)}")
-    vocab, k = zs.shape[-1], teacher_ids.shape[-1]
-    if not 1 <= k <= vocab:
-        raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
+    vocab = zs.shape[-1]
+    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1], vocab, of="zs")
+    k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():

@@ -152,6 +152,46 @@ torch.library.register_autograd("nitrobrew::topk_logit_distill_fwd", _topk_backw
                                 setup_context=_topk_setup_context)
 
 
+@torch.library.register_fake("nitrobrew::topk_linear_distill_fwd")
+def _topk_linear_distill_fwd_fake(xs, ws, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                                  renormalize, chunk_v):
+    torch._check(xs.dim() == 2 and ws.dim() == 2 and teacher_ids.dim() == 2,
+                 lambda: "xs must be [N, D], ws [V, D] and teacher_ids [N, K]")
+    n, k = xs.shape[0], teacher_ids.shape[1]
+    return (xs.new_empty((n,), dtype=_stats_dtype(xs.dtype)),
+            xs.new_empty((n, NUM_TOPK_ROW_STATS + k), dtype=torch.float64))
+
+
+@torch.library.register_fake("nitrobrew::topk_linear_distill_bwd")
+def _topk_linear_distill_bwd_fake(grad_loss, xs, ws, teacher_ids, teacher_logprobs, labels, row_stats, ignore_index,
+                                  temperature, renormalize, chunk_v, compute_dxs, compute_dws):
+    torch._check(grad_loss.shape == (xs.shape[0],), lambda: "grad_loss must be [N]")
+    dxs = torch.empty_like(xs, memory_format=torch.contiguous_format) if compute_dxs else xs.new_empty((0,))
+    dws = torch.empty_like(ws, memory_format=torch.contiguous_format) if compute_dws else ws.new_empty((0,))
+    return dxs, dws
+
+
+def _topk_linear_setup_context(ctx, inputs, output):
+    # Options: ignore_index, temperature, renormalize, chunk_v.
+    _save_for_recompute(ctx, inputs, output, n_tensors=5)  # xs, ws, teacher_ids, teacher_logprobs, labels
+
+
+def _topk_linear_backward(ctx, grad_loss, _grad_row_stats):
+    _forbid_double_backward()
+    xs, ws, teacher_ids, teacher_logprobs, labels, row_stats = ctx.saved_tensors
+    need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dxs or need_dws):
+        return (None,) * 9
+    dxs, dws = _ops.topk_linear_distill_bwd(grad_loss, xs, ws, teacher_ids, teacher_logprobs, labels, row_stats,
+                                            *ctx.options, need_dxs, need_dws)
+    # The teacher's ids and log-probabilities, labels and options receive no gradient.
+    return (dxs if need_dxs else None, dws if need_dws else None) + (None,) * 7
+
+
+torch.library.register_autograd("nitrobrew::topk_linear_distill_fwd", _topk_linear_backward,
+                                setup_context=_topk_linear_setup_context)
+
+
 NUM_ATTENTION_ROW_STATS = 5  # kNumAttentionRowStats in csrc/attention_kl_params.h
 
 
@@ -226,3 +266,10 @@ def topk_logit_distill(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor
     """Per-row loss [N] of the top-K op from logits (2-D inputs, options already checked)."""
     return _ops.topk_logit_distill_fwd(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
                                        renormalize)[0]
+
+
+def topk_linear_distill(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Tensor | None,
+                        *, ignore_index: int, temperature: float, renormalize: bool, chunk_v: int) -> Tensor:
+    """Per-row loss [N] of the top-K op from hidden states (2-D inputs, options already checked)."""
+    return _ops.topk_linear_distill_fwd(xs, ws, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                                        renormalize, chunk_v)[0]

@@ -143,6 +143,14 @@ def topk_kl(
     return _reduce(loss, labels, ignore_index, reduction)
 
 
+def topk_kl_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
+                   dtype: torch.dtype | None = torch.float64, **options) -> Tensor:
+    """What nitrobrew.topk_kl computes: topk_kl of the materialized logits xs @ ws.T."""
+    if dtype is not None:
+        xs, ws = xs.to(dtype), ws.to(dtype)
+    return topk_kl(xs @ ws.T, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
+
+
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,
                  device=None) -> Tensor:
     """[B, N_q, N_k] bool: which keys each query row sees (bottom-right causal alignment, as

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, GPU tests, compute-sanitizer, benchmarks. Results and logs
 # go to $OUT (or ./gpu_out). Usage:
-#   bash tools/gpu_check.sh [build|test|test_sm80|sanitize|sanitize_attention|bench|bench_attention ...]
+#   bash tools/gpu_check.sh [build|test|test_sm80|sanitize|sanitize_attention|bench|bench_topk|bench_attention ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -37,13 +37,17 @@ for step in $steps; do
       run memcheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run racecheck_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_fused_linear.py
       run memcheck_logits compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_logit_distill.py
-      run racecheck_logits compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_logit_distill.py ;;
+      run racecheck_logits compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_logit_distill.py
+      run memcheck_topk compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_topk_linear.py
+      run racecheck_topk compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_topk_linear.py
+      run memcheck_topk_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_topk_linear.py ;;
     sanitize_attention)
       run memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
       run racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
       run memcheck_attention_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py
       run racecheck_attention_sm80 env NITROBREW_FORCE_SM80=1 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_attention_kl.py ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
+    bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
   esac
 done

@@ -200,10 +200,7 @@ at::Tensor topk_logit_distill_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
   const TopKParams p =
       make_topk_logit_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize);
   TORCH_CHECK(zs.device().is_cpu(), "zs must be a CPU tensor here, got ", zs.device());
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows, "grad_loss must be [N] = [", p.num_rows,
-              "], got ", grad_loss.sizes());
-  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumTopKRowStats,
-              "row_stats must be [N, ", int(kNumTopKRowStats), "] as the forward returns it, got ", row_stats.sizes());
+  check_topk_backward_inputs(grad_loss, row_stats, kNumTopKRowStats, p, zs.device());
   at::Tensor dzs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logit_distill_bwd_cpu", [&] {
     dzs = backward_impl<scalar_t>(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, p);

@@ -248,12 +248,7 @@ at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Te
                                        bool renormalize) {
   const TopKParams p = make_topk_logit_params(zs, teacher_ids, teacher_logprobs, labels_in, ignore_index, temperature,
                                               renormalize, /*check_ids_on_host=*/false);
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows, "grad_loss must be [N] = [", p.num_rows,
-              "], got ", grad_loss.sizes());
-  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumTopKRowStats,
-              "row_stats must be [N, ", int(kNumTopKRowStats), "] as the forward returns it, got ", row_stats.sizes());
-  TORCH_CHECK(grad_loss.device() == zs.device() && row_stats.device() == zs.device(),
-              "grad_loss and row_stats must be on ", zs.device());
+  check_topk_backward_inputs(grad_loss, row_stats, kNumTopKRowStats, p, zs.device());
   const c10::cuda::CUDAGuard guard(zs.device());
   const at::Tensor ids = teacher_ids.contiguous(), lps = teacher_logprobs.to(at::kDouble).contiguous();
   const at::Tensor g = grad_loss.to(at::kDouble).contiguous(), stats = row_stats.to(at::kDouble).contiguous();

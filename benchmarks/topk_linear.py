@@ -1,0 +1,172 @@
+"""Benchmark nitrobrew.topk_kl (top-K teacher distillation from hidden states) -> CSV and plot.
+
+    python benchmarks/topk_linear.py                        # CUDA: N = 8192, V = 152064, D = 3584, bf16
+    python benchmarks/topk_linear.py --device cpu --shape 256,32000,512 --topk 32 --dtype float32
+
+The student's hidden states xs [N, D] and unembedding ws [V, D] and the teacher's top-K ids and
+log-probabilities exist before the timed region. Each run computes the loss (mode "forward", under
+no_grad) or the loss and its gradients for xs and ws ("fwd_bwd"). Methods, in one run:
+  nitrobrew   nitrobrew.topk_kl, normalize="full" and "topk";
+  naive       PyTorch: the logits xs @ ws.T (inputs' dtype), float32 log_softmax, gather, the K terms;
+  gemm        the cuBLAS products the loss needs, alone: xs @ ws.T (forward), then dLoss/dz @ ws and
+              dLoss/dz^T @ xs (fwd_bwd): the compute floor the target is a ratio to.
+Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB) and the
+ratio of the median to the gemm row's median of the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nitrobrew
+from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, pyplot, short_error
+from harness import time_runs
+
+COLUMNS = ["date", "device", "torch", "cuda", "method", "normalize", "K", "mode", "dtype", "N", "V", "D", "status",
+           "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm"]
+
+
+def naive_topk(xs, ws, ids, lps, normalize):
+    s = (xs @ ws.T).float()
+    if normalize == "full":
+        log_p, log_q = F.log_softmax(s, -1).gather(-1, ids), lps
+    else:
+        log_p, log_q = F.log_softmax(s.gather(-1, ids), -1), F.log_softmax(lps, -1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1).mean()
+
+
+def gemm_run(xs, ws, mode):
+    """The products alone, with a dLoss/dz of the logits' shape standing in for the loss's."""
+    grad = torch.empty(xs.shape[0], ws.shape[0], dtype=xs.dtype, device=xs.device).normal_()
+
+    def run():
+        z = xs @ ws.T
+        if mode == "fwd_bwd":
+            grad @ ws
+            grad.T @ xs
+        return z
+
+    return run
+
+
+def measure(method, normalize, mode, xs, ws, ids, lps, args):
+    device = xs.device
+    if method == "gemm":
+        run = gemm_run(xs.detach(), ws.detach(), mode)
+    else:
+        fn = (lambda *a: nitrobrew.topk_kl(*a, normalize=normalize)) if method == "nitrobrew" else (
+            lambda *a: naive_topk(*a, normalize))
+
+        def run():
+            if mode == "forward":
+                with torch.no_grad():
+                    return fn(xs, ws, ids, lps)
+            xs.grad = ws.grad = None
+            fn(xs, ws, ids, lps).backward()
+
+    xs.grad = ws.grad = None
+    base = memory_baseline(device)
+    times = time_runs(run, device, args.warmup, args.repeats)
+    result = {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times),
+              "peak_extra_mib": peak_extra_mib(device, base)}
+    xs.grad = ws.grad = None
+    return result
+
+
+def plot(rows, out):
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, mode in zip(axes, ("forward", "fwd_bwd")):
+        ok = [r for r in rows if r["mode"] == mode and r["status"] == "ok" and r["method"] != "gemm"]
+        labels = sorted({(r["method"], r["normalize"]) for r in ok})
+        ks = sorted({r["K"] for r in ok})
+        width = 0.8 / max(len(labels), 1)
+        for i, (method, normalize) in enumerate(labels):
+            ratios = [next((r["ratio_to_gemm"] for r in ok if r["K"] == k and r["method"] == method
+                            and r["normalize"] == normalize), 0) for k in ks]
+            ax.bar([j + i * width for j in range(len(ks))], ratios, width, label=f"{method} {normalize}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [f"K={k}" for k in ks])
+        ax.set_title(f"{mode}: time / cuBLAS products")
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    has_cuda = torch.cuda.is_available()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
+    p.add_argument("--shape", default="8192,152064,3584", help="N,V,D")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--topk", type=int, nargs="+", default=[32, 128, 512])
+    p.add_argument("--methods", nargs="+", choices=["nitrobrew", "naive"], default=["nitrobrew", "naive"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    n, v, d = (int(x) for x in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    xs = torch.randn(n, d, device=device).to(dtype).requires_grad_()
+    ws = (torch.randn(v, d, device=device) * (3.0 / d**0.5)).to(dtype).requires_grad_()
+    today = datetime.date.today().isoformat()
+    common = {"date": today, "device": device_name(device), "torch": torch.__version__,
+              "cuda": torch.version.cuda or "", "dtype": args.dtype, "N": n, "V": v, "D": d}
+    rows, floor = [], {}
+    for mode in ("forward", "fwd_bwd"):
+        row = {**common, "method": "gemm", "normalize": "", "K": "", "mode": mode}
+        row.update(measure("gemm", None, mode, xs, ws, None, None, args))
+        floor[mode] = row["median_ms"]
+        row["ratio_to_gemm"] = 1.0
+        rows.append(row)
+        free_device_memory(device)
+        print(f"gemm {mode}: {row['median_ms']:.2f} ms")
+    for k in args.topk:
+        with torch.no_grad():  # a teacher's top-K: the student's logits perturbed, row chunk by row chunk
+            ids = torch.empty(n, k, dtype=torch.int64, device=device)
+            lps = torch.empty(n, k, dtype=torch.float32, device=device)
+            for r in range(0, n, 1024):
+                z = (xs[r:r + 1024] @ ws.T).float()
+                z += torch.randn_like(z)
+                lps[r:r + 1024], ids[r:r + 1024] = torch.log_softmax(z, -1).topk(k, dim=-1)
+            del z
+        for normalize in ("full", "topk"):
+            for mode in ("forward", "fwd_bwd"):
+                for method in args.methods:
+                    row = {**common, "method": method, "normalize": normalize, "K": k, "mode": mode}
+                    try:
+                        row.update(measure(method, normalize, mode, xs, ws, ids, lps, args))
+                        row["ratio_to_gemm"] = row["median_ms"] / floor[mode]
+                    except OOM_ERROR as e:
+                        row.update(status="oom", error=short_error(e))
+                    free_device_memory(device)
+                    rows.append(row)
+                    print(f"{method:9s} {normalize:4s} K={k:<4d} {mode:8s} {row['status']:4s} "
+                          f"{row.get('median_ms', float('nan')):8.2f} ms {row.get('ratio_to_gemm', float('nan')):6.2f}x "
+                          f"{row.get('peak_extra_mib', float('nan')):9.1f} MiB")
+    out = args.out or Path(__file__).parent / "results" / f"topk_linear_{args.device}_{today}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: (f"{val:.4g}" if isinstance(val, float) else val) for key, val in row.items()})
+    print(f"wrote {out}")
+    plot(rows, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Distillation against a teacher's top-K log-probabilities, from the student's hidden states.
+
+The teacher is what was stored offline: for each token, the ids of its K most likely tokens and their
+log-probabilities over its full vocabulary. The student's logits s = xs[n] @ ws.T / temperature are
+never written to memory: the K logits come from K gathered rows of ws, the log-normalizer over the
+vocabulary from a tiled online pass, and the backward recomputes the tiles. nitrobrew.logits.topk_kl
+computes the same loss from logits the caller holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew import _checks
+from nitrobrew._extension import kernel_device_types
+from nitrobrew._reduction import reduce_rows
+from nitrobrew.fused_linear import autocast_inputs
+from nitrobrew.ops import topk_linear_distill
+
+__all__ = ["topk_kl"]
+
+_KERNEL_DEVICE_TYPES = kernel_device_types()
+
+
+def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
+            temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
+            ignore_index: int = -100, chunk_V: int | None = None) -> Tensor:
+    """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
+
+    Args:
+        xs: [..., D] student hidden states. ws: [V, D] student unembedding.
+        teacher_ids: [..., K] int64 ids in [0, V), any order. teacher_logprobs: [..., K] float, the teacher's
+            log-probabilities (over its full vocabulary) of those tokens; -inf entries contribute 0.
+        normalize: "full": the student's log-probabilities are normalized over the whole vocabulary and
+            q_k = exp(teacher_logprobs_k) is used as given (its sum may be < 1); "topk": both are
+            renormalized over the K ids.
+        temperature: divides the student's logits only.
+        reduction, labels, ignore_index: as in nitrobrew.forward_kl.
+        chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
+
+    The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
+    gradients flow to xs and ws. On CUDA, ids outside [0, V) stop the kernel with a device-side assertion
+    (as torch.gather's do); the CPU raises.
+    """
+    for name, value in (("xs", xs), ("ws", ws)):
+        _checks.tensor(value, name)
+        _checks.floating(value, name)
+    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0:
+        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1, got {tuple(xs.shape)} and {tuple(ws.shape)}")
+    lead_shape = xs.shape[:-1]
+    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, ws.shape[0], of="xs")
+    _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
+    xs, ws = autocast_inputs(xs, ws)
+    if ws.dtype != xs.dtype:
+        raise TypeError(f"xs and ws must share one dtype, got {xs.dtype} and {ws.dtype} (or call under "
+                        f"torch.autocast, which casts both to its dtype)")
+    if xs.device.type not in _KERNEL_DEVICE_TYPES:
+        raise RuntimeError(f"this build of nitrobrew has no kernels for {xs.device.type} tensors")
+    temperature = _checks.positive_number(temperature, "temperature")
+    reduction = _checks.reduction(reduction)
+    labels = _checks.labels(labels, lead_shape, xs.device)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Tensors made under inference_mode cannot be saved for backward; the teacher's are [N, K].
+        teacher_ids, teacher_logprobs = (t.clone() if t.is_inference() else t for t in (teacher_ids, teacher_logprobs))
+    k = teacher_ids.shape[-1]
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    loss = topk_linear_distill(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
+                               teacher_logprobs.reshape(-1, k), flat_labels, ignore_index=ignore_index,
+                               temperature=temperature, renormalize=normalize == "topk", chunk_v=chunk_V or 0)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
