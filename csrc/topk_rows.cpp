@@ -15,7 +15,7 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 // run of equal ids one segment, led by its first occurrence.)
 std::tuple<at::Tensor, at::Tensor> sum_over_repeated_ids(const at::Tensor& c, const at::Tensor& ids) {
   if (ids.size(1) == 1) return {c, ids};
-  const auto [sorted, order] = ids.sort(/*stable=*/true, /*dim=*/1);
+  const auto [sorted, order] = at::sort(ids, /*stable=*/c10::optional<bool>(true), /*dim=*/1, /*descending=*/false);
   const int64_t k = sorted.size(1);
   at::Tensor starts = at::ones_like(sorted, sorted.options().dtype(at::kBool));
   starts.narrow(1, 1, k - 1).copy_(sorted.narrow(1, 1, k - 1) != sorted.narrow(1, 0, k - 1));
@@ -108,6 +108,16 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
   terms.id_dense = at::where(active, dense * prob, zero) * p.inv_temperature;
   terms.grad_rows = at::where(active, at::cat({s_max, s_log_sum, dense}, 1), zero).to(at::kFloat).contiguous();
   return terms;
+}
+
+TopKSparseGrad topk_sparse_grad(const TopKGradTerms& terms, const at::Tensor& grad_loss, at::ScalarType coef_dtype) {
+  TopKSparseGrad sparse;
+  sparse.coef = (terms.id_sparse * grad_loss.to(at::kDouble).unsqueeze(1)).to(coef_dtype).contiguous();
+  auto [sorted, order] =
+      at::sort(terms.write_ids.reshape(-1), /*stable=*/c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+  sparse.sorted_ids = sorted.contiguous();
+  sparse.order = order.contiguous();
+  return sparse;
 }
 
 }  // namespace nitrobrew

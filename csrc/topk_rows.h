@@ -51,4 +51,15 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
                               const at::Tensor& teacher_logprobs, const at::Tensor& valid, const TopKParams& p,
                               at::ScalarType acc_dtype);
 
+// normalize="topk" has no dense part: dxs[n] = sum_k coef[n, k] ws[id_k] and
+// dws[v] = sum of coef[n, k] xs[n] over the (n, k) with id_k = v, where coef = g_n * id_sparse (in
+// coef_dtype) and only write_ids >= 0 count. sorted_ids / order: write_ids flattened and stably
+// sorted, with each entry's flat index n * K + k, so that an id's pairs are one run (the -1 first).
+struct TopKSparseGrad {
+  at::Tensor coef;        // [N, K]
+  at::Tensor sorted_ids;  // [N * K] int64
+  at::Tensor order;       // [N * K] int64
+};
+TopKSparseGrad topk_sparse_grad(const TopKGradTerms& terms, const at::Tensor& grad_loss, at::ScalarType coef_dtype);
+
 }  // namespace nitrobrew

@@ -2,9 +2,11 @@
 // algorithm as the CUDA ops. The K student logits are dot products of xs[n] with the K gathered
 // rows of ws; for normalize="full" the student's log-normalizer over the vocabulary is an online
 // log-sum-exp over vocabulary chunks of xs . ws^T; the rest is the per-row math of topk_rows.h.
-// The backward walks the same chunks: dLoss/dz of a chunk (the dense part, then the K ids'
-// sparse terms added) and its products with ws and xs. Memory beyond the inputs: one [N x chunk] block of
-// logits (at most kMaxChunkElements), never [N x V]. Accumulation: float32 (float64 for float64).
+// The backward of "full" walks the same chunks: dLoss/dz of a chunk (the dense part, then the K
+// ids' sparse terms added) and its products with ws and xs; "topk" has only the K ids' terms, so
+// dxs gathers K rows of ws per token and dws sums xs rows per id. Memory beyond the inputs: one
+// [N x chunk] block of logits (at most kMaxChunkElements), never [N x V]. Accumulation: float32
+// (float64 for float64).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -14,6 +16,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 #include <tuple>
 
 #include "../topk_rows.h"
@@ -82,6 +85,55 @@ void add_id_terms(at::Tensor& dz, const TopKGradTerms& terms, int64_t c0, int64_
   }
 }
 
+// normalize="topk": the gradients from the K ids' terms alone (topk_rows.h), no vocabulary pass.
+template <typename scalar_t, typename acc_t>
+std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& xs_acc, const at::Tensor& ws,
+                                                   const TopKGradTerms& terms, const at::Tensor& grad_loss,
+                                                   const TopKParams& p, bool compute_dxs, bool compute_dws) {
+  const TopKSparseGrad sparse = topk_sparse_grad(terms, grad_loss, xs_acc.scalar_type());
+  const at::Tensor ws_c = ws.contiguous(), ids = terms.write_ids.contiguous();
+  const acc_t* coef = sparse.coef.data_ptr<acc_t>();
+  const acc_t* x = xs_acc.data_ptr<acc_t>();
+  const scalar_t* w = ws_c.data_ptr<scalar_t>();
+  const int64_t d = p.hidden;
+  at::Tensor dxs = at::empty({0}, ws.options()), dws = at::empty({0}, ws.options());
+  if (compute_dxs) {  // dxs[n] = sum_k coef[n, k] ws[id_k]
+    at::Tensor acc = at::zeros_like(xs_acc);
+    acc_t* out = acc.data_ptr<acc_t>();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    at::parallel_for(0, p.num_rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t k = 0; k < p.k; ++k) {
+          if (id[n * p.k + k] < 0) continue;
+          const scalar_t* w_row = w + id[n * p.k + k] * d;
+          for (int64_t j = 0; j < d; ++j) out[n * d + j] += coef[n * p.k + k] * static_cast<acc_t>(w_row[j]);
+        }
+      }
+    });
+    dxs = acc.to(ws.scalar_type());
+  }
+  if (compute_dws) {  // dws[v] = sum over the run of id v in the sorted pairs of coef * xs[n]
+    dws = at::zeros(ws.sizes(), ws.options());
+    scalar_t* out = dws.data_ptr<scalar_t>();
+    const int64_t* sorted = sparse.sorted_ids.data_ptr<int64_t>();
+    const int64_t* order = sparse.order.data_ptr<int64_t>();
+    const int64_t entries = sparse.sorted_ids.numel();
+    std::vector<acc_t> row(d);
+    for (int64_t i = 0; i < entries;) {
+      const int64_t v = sorted[i];
+      std::fill(row.begin(), row.end(), acc_t(0));
+      for (; i < entries && sorted[i] == v; ++i) {
+        const acc_t c = coef[order[i]];
+        const acc_t* x_row = x + (order[i] / p.k) * d;
+        for (int64_t j = 0; j < d; ++j) row[j] += c * x_row[j];
+      }
+      if (v < 0) continue;  // the repeated occurrences
+      for (int64_t j = 0; j < d; ++j) out[v * d + j] = static_cast<scalar_t>(row[j]);
+    }
+  }
+  return {dxs, dws};
+}
+
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& ids,
                                                 const at::Tensor& lps, const c10::optional<at::Tensor>& labels,
@@ -103,6 +155,7 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_loss, co
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
   const TopKGradTerms terms = topk_grad_terms(row_stats, ids, lps, topk_valid_rows(labels, p, xs), p, acc_dtype);
   const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  if (p.renormalize) return sparse_backward<scalar_t, acc_t>(xs_acc, ws, terms, grad_loss, p, compute_dxs, compute_dws);
   const at::Tensor g = grad_loss.to(acc_dtype).unsqueeze(1);
   const at::Tensor dense = terms.dense.to(acc_dtype).unsqueeze(1) * p.inv_temperature;
   const at::Tensor has_dense = terms.dense.unsqueeze(1) != 0;
@@ -115,13 +168,10 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_loss, co
   for (int64_t c0 = 0; p.num_rows > 0 && (compute_dxs || compute_dws) && c0 < p.vocab_size; c0 += chunk) {
     const int64_t cols = std::min(chunk, p.vocab_size - c0);
     const at::Tensor ws_chunk = ws.narrow(0, c0, cols).to(acc_dtype);
-    at::Tensor dz;
-    if (p.renormalize) {
-      dz = at::zeros({p.num_rows, cols}, xs_acc.options());
-    } else {  // dense * p_v / tau; rows without a dense part are 0 (their normalizer is a placeholder)
-      const at::Tensor s = at::mm(xs_acc, ws_chunk.t()) * p.inv_temperature;
-      dz = at::where(has_dense, dense * ((s - s_max) - s_log_sum).exp(), at::zeros({}, s.options())).contiguous();
-    }
+    // dense * p_v / tau; rows without a dense part are 0 (their normalizer is a placeholder)
+    const at::Tensor s = at::mm(xs_acc, ws_chunk.t()) * p.inv_temperature;
+    at::Tensor dz =
+        at::where(has_dense, dense * ((s - s_max) - s_log_sum).exp(), at::zeros({}, s.options())).contiguous();
     add_id_terms<acc_t>(dz, terms, c0, cols, p);
     if (compute_dxs) dxs_acc.addmm_(dz, ws_chunk);
     if (compute_dws) dws.narrow(0, c0, cols).copy_(at::mm(dz.t(), xs_scaled));

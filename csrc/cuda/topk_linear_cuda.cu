@@ -5,9 +5,11 @@
 //             pass (StudentNormPass) folds every tile of xs . ws^T into a softmax state per row and
 //             vocabulary split (float64 sums), merged by merge_norm_kernel; the per-row terms are
 //             [N, K] ATen ops.
-//   backward: per vocabulary chunk (chunked_grads.h), StudentGradPass recomputes the tiles and
-//             writes the dense part of dLoss/dz, write_id_entries_kernel the K ids' entries, and
-//             cuBLAS forms dxs and dws from the chunk.
+//   backward: "full": per vocabulary chunk (chunked_grads.h), StudentGradPass recomputes the
+//             tiles and writes the dense part of dLoss/dz, write_id_entries_kernel the K ids'
+//             entries, and cuBLAS forms dxs and dws from the chunk. "topk" has only the K ids'
+//             terms: sparse_dxs_kernel gathers K rows of ws per token, sparse_dws_kernel sums the
+//             xs rows of each id (ids sorted into runs).
 // Ids outside [0, V) stop the gather with a device-side assertion (a host check would synchronize).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -102,6 +104,82 @@ __global__ void write_id_entries_kernel(const int64_t* __restrict__ write_ids, c
   }
 }
 
+// normalize="topk", dxs[n] = sum_k coef[n, k] ws[id_k] (topk_rows.h): one block per token, each
+// thread a run of kPerLoad hidden entries (16-byte loads where the rows allow), ids in order.
+template <typename T>
+__global__ void __launch_bounds__(kGatherThreads)
+    sparse_dxs_kernel(const T* __restrict__ ws, int64_t ld_w, const int64_t* __restrict__ ids,
+                      const float* __restrict__ coef, int64_t k, int64_t hidden, bool vectorized,
+                      T* __restrict__ dxs) {
+  constexpr int kPerLoad = 16 / sizeof(T);
+  const int64_t n = blockIdx.x;
+  const int step = vectorized ? kPerLoad : 1;
+  for (int64_t d0 = int64_t(threadIdx.x) * step; d0 < hidden; d0 += int64_t(kGatherThreads) * step) {
+    float acc[kPerLoad] = {};
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t id = ids[n * k + j];
+      if (id < 0) continue;  // a repeated occurrence: its term is in the first one's
+      const float c = coef[n * k + j];
+      const T* w = ws + id * ld_w + d0;
+      if (vectorized) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(w);
+        const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+        for (int e = 0; e < kPerLoad; ++e) acc[e] = fmaf(c, to_acc<float>(we[e]), acc[e]);
+      } else {
+        acc[0] = fmaf(c, to_acc<float>(w[0]), acc[0]);
+      }
+    }
+    T* out = dxs + n * hidden + d0;
+    if (vectorized) {
+#pragma unroll
+      for (int e = 0; e < kPerLoad; ++e) out[e] = from_acc<T, float>(acc[e]);
+    } else {
+      out[0] = from_acc<T, float>(acc[0]);
+    }
+  }
+}
+
+// normalize="topk", dws[v] = sum of coef * xs[n] over the pairs of id v: one warp per position of the
+// sorted ids; the warp at the start of an id's run sums the run (in sorted order: deterministic) and
+// writes the row once. Rows of no id stay as zeroed.
+template <typename T>
+__global__ void __launch_bounds__(kGatherThreads)
+    sparse_dws_kernel(const T* __restrict__ xs, int64_t ld_x, const int64_t* __restrict__ sorted_ids,
+                      const int64_t* __restrict__ order, const float* __restrict__ coef, int64_t entries,
+                      int64_t k, int64_t hidden, bool vectorized, T* __restrict__ dws, int64_t ld_w) {
+  constexpr int kPerLoad = 16 / sizeof(T);
+  const int64_t pos = int64_t(blockIdx.x) * (kGatherThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (pos >= entries) return;
+  const int64_t v = sorted_ids[pos];
+  if (v < 0 || (pos > 0 && sorted_ids[pos - 1] == v)) return;  // not the start of an id's run
+  const int step = vectorized ? kPerLoad : 1;
+  for (int64_t d0 = int64_t(lane) * step; d0 < hidden; d0 += 32 * step) {
+    float acc[kPerLoad] = {};
+    for (int64_t q = pos; q < entries && sorted_ids[q] == v; ++q) {
+      const int64_t flat = order[q];
+      const float c = coef[flat];
+      const T* x = xs + (flat / k) * ld_x + d0;
+      if (vectorized) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(x);
+        const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+        for (int e = 0; e < kPerLoad; ++e) acc[e] = fmaf(c, to_acc<float>(xe[e]), acc[e]);
+      } else {
+        acc[0] = fmaf(c, to_acc<float>(x[0]), acc[0]);
+      }
+    }
+    T* out = dws + v * ld_w + d0;
+    if (vectorized) {
+#pragma unroll
+      for (int e = 0; e < kPerLoad; ++e) out[e] = from_acc<T, float>(acc[e]);
+    } else {
+      out[0] = from_acc<T, float>(acc[0]);
+    }
+  }
+}
+
 bool gather_vectorizable(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * t.element_size()) % 16 == 0 &&
          (t.size(1) * t.element_size()) % 16 == 0;
@@ -167,6 +245,40 @@ at::Tensor student_log_normalizer(const Inputs& in, const TopKParams& p) {
   return norm;
 }
 
+std::tuple<at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKGradTerms& terms,
+                                                   const at::Tensor& grad_loss, const TopKParams& p,
+                                                   bool compute_dxs, bool compute_dws) {
+  const TopKSparseGrad sparse = topk_sparse_grad(terms, grad_loss, at::kFloat);
+  const at::Tensor write_ids = terms.write_ids.contiguous();
+  const bool vectorized = gather_vectorizable(in.xs) && gather_vectorizable(in.ws);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor dxs = at::empty({0}, in.xs.options()), dws = at::empty({0}, in.ws.options());
+  if (compute_dxs) dxs = at::empty({p.num_rows, p.hidden}, in.xs.options());
+  if (compute_dws) dws = at::zeros(in.ws.sizes(), in.ws.options());
+  const int64_t entries = p.num_rows * p.k;
+  if (p.num_rows == 0) return {dxs, dws};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.xs.scalar_type(), "nitrobrew_topk_sparse_grads", [&] {
+    using T = cuda_type_t<scalar_t>;
+    if constexpr (!std::is_same_v<T, double>) {
+      if (compute_dxs) {
+        sparse_dxs_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
+            reinterpret_cast<const T*>(in.ws.data_ptr()), in.ws.stride(0), write_ids.data_ptr<int64_t>(),
+            sparse.coef.data_ptr<float>(), p.k, p.hidden, vectorized, reinterpret_cast<T*>(dxs.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      if (compute_dws) {
+        constexpr int kWarps = kGatherThreads / 32;
+        sparse_dws_kernel<T><<<static_cast<unsigned>((entries + kWarps - 1) / kWarps), kGatherThreads, 0, stream>>>(
+            reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), sparse.sorted_ids.data_ptr<int64_t>(),
+            sparse.order.data_ptr<int64_t>(), sparse.coef.data_ptr<float>(), entries, p.k, p.hidden, vectorized,
+            reinterpret_cast<T*>(dws.data_ptr()), dws.stride(0));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+  });
+  return {dxs, dws};
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_linear_distill_fwd_cuda(const at::Tensor& xs_in, const at::Tensor& ws_in,
                                                                const at::Tensor& teacher_ids,
                                                                const at::Tensor& teacher_logprobs,
@@ -202,15 +314,12 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_distill_bwd_cuda(
       topk_grad_terms(row_stats, in.ids, teacher_logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
   const at::Tensor write_ids = terms.write_ids.contiguous();
   const at::Tensor sparse = terms.id_sparse.to(at::kFloat).contiguous(), id_dense = terms.id_dense.to(at::kFloat).contiguous();
+  if (renormalize) return sparse_backward(in, terms, grad_loss, p, compute_dxs, compute_dws);
   const LogitTilePasses passes(in.xs, in.xs, in.ws, in.ws, in.labels, student_pass_params(p, in.labels.has_value()));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t entries = p.num_rows * p.k;
   auto fill = [&](int64_t c0, int64_t cols, at::Tensor& dz) {
-    if (renormalize) {
-      dz.zero_();
-    } else {
-      passes.student_grad_pass(terms.grad_rows, c0, cols, dz);
-    }
+    passes.student_grad_pass(terms.grad_rows, c0, cols, dz);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "nitrobrew_write_id_entries", [&] {
       using T = cuda_type_t<scalar_t>;
       if constexpr (!std::is_same_v<T, double>) {
