@@ -12,6 +12,7 @@ The logits exist before the timed region (they are the input); each run computes
   copy       one copy of an [N, V] tensor in the logits' dtype: the device's copy bandwidth.
 With --topk K ..., also nitrobrew.logits.topk_kl (normalize="full") against the teacher's top-K of
 the same logits, and naive PyTorch for it (float32 log_softmax of the student, gather, the K terms).
+A bar plot of the times goes beside the CSV (--replot CSV draws it for a CSV already written).
 Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
 bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD twice; backward: both
 again and dzs written) and, for nitrobrew, those bytes per second as a fraction of the copy's.
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew
-from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, short_error, time_runs
+from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, pyplot, short_error
+from harness import time_runs
 
 LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
 COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
@@ -109,6 +111,33 @@ def measure(method, loss, mode, zs, zt, args, methods=METHODS):
             "peak_extra_mib": peak_extra_mib(device, base)}
 
 
+def plot(rows, out):
+    """Median time per (loss, mode) and method, log scale; the copy's time as a line."""
+    plt = pyplot()
+    if plt is None:
+        return
+    ok = [r for r in rows if r.get("status") == "ok" and r["method"] != "copy"]
+    cases = list(dict.fromkeys((r["loss"], r["mode"]) for r in ok))
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cases)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        times = [next((float(r["median_ms"]) for r in ok if (r["loss"], r["mode"]) == case and r["method"] == method),
+                      0) for case in cases]
+        ax.bar([j + i * width for j in range(len(cases))], times, width, label=method)
+    copy = [float(r["median_ms"]) for r in rows if r["method"] == "copy" and r.get("status") == "ok"]
+    if copy:
+        ax.axhline(copy[0], color="black", linewidth=0.8, label="one copy of [N, V]")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{loss}\n{mode}" for loss, mode in cases],
+                  fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("median ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"wrote {out.with_suffix('.png')}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     has_cuda = torch.cuda.is_available()
@@ -121,7 +150,12 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--topk", type=int, nargs="*", default=[], help="also top-K losses with these K")
     p.add_argument("--out", type=Path)
+    p.add_argument("--replot", type=Path, help="only draw the plot of this CSV (beside it, as .png)")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(list(csv.DictReader(f)), args.replot)
+        return
     device = torch.device(args.device)
     n, v = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
@@ -169,6 +203,7 @@ def main():
         for row in rows:
             writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
     print(f"wrote {out}")
+    plot(rows, out)
 
 
 if __name__ == "__main__":

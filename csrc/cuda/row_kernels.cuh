@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../online_state.h"
+
 namespace nitrobrew {
 namespace cuda {
 
@@ -86,6 +88,32 @@ __device__ __forceinline__ void block_sum2(acc_t& x, acc_t& y) {
     }
   }
   __syncthreads();  // scratch is free again
+}
+
+// Calls f.chunk<kN>(s, v0) with the scaled logits s[k] = z[v0 + k] * inv_t (rounded in scale_t,
+// as scale_logit does, then widened to acc_t) of the thread's chunks of one row of `vocab` entries:
+// every blockDim-th chunk of kN entries (one 16-byte load) when `vectorized` (unit stride, 16-byte
+// aligned row), then single entries for the rest.
+template <int kN, typename T, typename acc_t, typename scale_t, typename F>
+__device__ __forceinline__ void for_each_row_chunk(const T* z, int64_t stride, int64_t vocab, bool vectorized,
+                                                   scale_t inv_t, F&& f) {
+  int64_t v = 0;
+  if (vectorized) {
+    const int64_t chunks = vocab / kN;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 raw = reinterpret_cast<const uint4*>(z)[c];
+      const T* pz = reinterpret_cast<const T*>(&raw);
+      acc_t s[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) s[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(pz[k]), inv_t));
+      f.template chunk<kN>(s, c * kN);
+    }
+    v = chunks * kN;
+  }
+  for (int64_t i = v + threadIdx.x; i < vocab; i += blockDim.x) {
+    acc_t s[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(z[i * stride]), inv_t))};
+    f.template chunk<1>(s, i);
+  }
 }
 
 }  // namespace cuda

@@ -1,11 +1,12 @@
 // CUDA kernels of the top-K teacher ops from logits (nitrobrew.logits.topk_kl): forward KL over the
 // K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}), with the same math as the CPU op
 // (csrc/cpu/topk_distill_cpu.cpp). One block per row:
-//   forward:  the student's log-normalizer (normalize="full": one streaming pass over the row, the
-//             sums in float64; "topk": over the K gathered logits), the teacher's kept mass, and the
-//             K terms, all in float64;
-//   backward: normalize="full" writes (sum_k q_k) p_v for every v, then each id's entry again with
-//             its q's subtracted; "topk" writes zeros, then p~ - q~ at the ids. An id that appears
+//   forward:  the student's log-normalizer (normalize="full": one streaming pass over the row in
+//             16-byte loads, float32 exponentials summed per load, float64 across loads; "topk":
+//             over the K gathered logits), the teacher's kept mass, and the K terms in float64;
+//   backward: normalize="full" writes (sum_k q_k) p_v for every v (float32 math, 16-byte stores),
+//             then each id's entry again in float64 with its q's subtracted; "topk" writes zeros,
+//             then p~ - q~ at the ids. An id that appears
 //             several times is written once, by its first occurrence, with every occurrence's
 //             terms (O(K^2) comparisons per row: meant for K up to a few thousand).
 // Ids outside [0, V) stop the kernel with a device-side assertion, as torch.gather's do (a check
@@ -32,9 +33,16 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
+// The scaled logits s = z / tau are rounded to float32 for 16- and 32-bit inputs (float64 for
+// float64), identically in every pass, as the other CUDA kernels round them; the row math on them
+// runs in float64.
+template <typename T>
+using ScaleType = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
 template <typename T>
 struct TopKArgs {
   Rows<T> zs;
+  bool vectorized;  // rows 16-byte aligned with unit stride (and dzs rows, in the backward)
   const int64_t* ids;   // [N, K] contiguous
   const double* lps;    // [N, K] contiguous, float64
   const int64_t* labels;  // nullptr without labels
@@ -43,7 +51,8 @@ struct TopKArgs {
   bool renormalize;
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
   __device__ __forceinline__ double s(int64_t n, int64_t v) const {
-    return scale_logit(to_acc<double>(zs.row(n)[v * zs.stride]), inv_t);
+    using scale_t = ScaleType<T>;
+    return scale_logit(to_acc<scale_t>(zs.row(n)[v * zs.stride]), static_cast<scale_t>(inv_t));
   }
   __device__ __forceinline__ int64_t id(int64_t n, int64_t j) const {
     const int64_t v = ids[n * k + j];
@@ -77,33 +86,74 @@ __device__ LogNormalizer<double> block_normalizer(double max, double sum) {
   return {max, log(result)};
 }
 
-// The student's log-normalizer over the whole row: each thread an online (max, sum) over its
-// entries, merged across the block. Logits and sums in float64; the exponentials of the (float64)
-// differences in float32 for 16-bit and float32 inputs (a relative error of ~1e-7 per term, which
-// averages out in the sum), in float64 for float64 inputs.
+// A thread's online (max, sum) over its entries of the row, summed in float64: for 16-bit inputs
+// the special-function unit's float32 exponentials (a relative error of ~1e-7 per term, below the
+// inputs' rounding), float64 ones otherwise (as the CPU op).
+template <typename T>
+struct NormAccumulator {
+  using scale_t = ScaleType<T>;
+  scale_t m = -std::numeric_limits<scale_t>::infinity();
+  double l = 0;
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const scale_t (&s)[kN], int64_t) {
+    scale_t chunk_max = s[0];
+#pragma unroll
+    for (int k = 1; k < kN; ++k) chunk_max = s[k] > chunk_max ? s[k] : chunk_max;
+    if (chunk_max == -std::numeric_limits<scale_t>::infinity()) return;  // only masked entries
+    if (chunk_max > m) {  // rare after the row's first chunks
+      l *= m == -std::numeric_limits<scale_t>::infinity() ? 0.0 : exp(static_cast<double>(m) - chunk_max);
+      m = chunk_max;
+    }
+    if constexpr (sizeof(T) == 2) {  // a load's 8 exponentials summed in float32 first
+      float part = 0;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) part += RowExp<T, float>{}(s[k] - m);  // exp(-inf) = 0
+      l += part;
+    } else {  // float64 exponentials: float32 ones were off by 3.5x float32 PyTorch at logit scale 1e-3
+#pragma unroll
+      for (int k = 0; k < kN; ++k) l += exp(static_cast<double>(s[k]) - m);
+    }
+  }
+};
+
+// The student's log-normalizer over the whole row, merged across the block.
 template <typename T>
 __device__ LogNormalizer<double> full_normalizer(const TopKArgs<T>& a, int64_t n) {
-  auto exp_diff = [](double x) -> double {
-    if constexpr (std::is_same_v<T, double>) {
-      return exp(x);
-    } else {
-      return static_cast<double>(expf(static_cast<float>(x)));
-    }
-  };
-  double m = kNegInf, l = 0;
-  for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) {
-    const double s = a.s(n, v);
-    if (s == kNegInf) continue;
-    if (s > m) {
-      l *= m == kNegInf ? 0.0 : exp_diff(m - s);
-      m = s;
-    }
-    l += exp_diff(s - m);
-  }
+  using scale_t = ScaleType<T>;
+  NormAccumulator<T> acc;
+  for_each_row_chunk<16 / sizeof(T), T, scale_t>(a.zs.row(n), a.zs.stride, a.vocab, a.vectorized,
+                                                 static_cast<scale_t>(a.inv_t), acc);
+  const double m = acc.m == -std::numeric_limits<scale_t>::infinity() ? kNegInf : static_cast<double>(acc.m);
   const double row_max = block_max(m);
-  const double scaled = m == kNegInf ? 0.0 : l * exp(m - row_max);
+  const double scaled = m == kNegInf ? 0.0 : acc.l * exp(m - row_max);
   return block_normalizer(row_max, scaled);
 }
+
+// Phase 1 of the backward: every entry of the row as if no id were there, scale * p_v (0 for
+// normalize="topk"), in the scaled logits' precision, 16-byte stores where the rows allow.
+template <typename T>
+struct DenseGradWriter {
+  using scale_t = ScaleType<T>;
+  LogNormalizer<scale_t> norm;
+  scale_t scale;  // g_n (sum_k q_k) / tau, or 0
+  T* out;
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const scale_t (&s)[kN], int64_t v0) {
+    alignas(16) T g[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      g[k] = from_acc<T>(scale == scale_t(0) ? scale_t(0) : scale * RowExp<T, scale_t>{}(log_prob(s[k], norm)));
+    }
+    if constexpr (kN * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(out + v0) = *reinterpret_cast<const uint4*>(g);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) out[v0 + k] = g[k];
+    }
+  }
+};
 
 // The row's normalizers as the CPU op forms them (its row_norms), in every thread.
 template <typename T>
@@ -176,10 +226,11 @@ __global__ void __launch_bounds__(kRowThreads)
   const double coef = grad_loss[n] * a.inv_t;
   const double mass = active ? exp(teacher.max + teacher.log_sum) : 0.0;
   // Phase 1: every entry as if no id were there.
-  for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) {
-    const double g = active && !a.renormalize ? coef * mass * exp(log_prob(a.s(n, v), student)) : 0.0;
-    out[v] = from_acc<T>(g);
-  }
+  using scale_t = ScaleType<T>;
+  DenseGradWriter<T> dense{{static_cast<scale_t>(student.max), static_cast<scale_t>(student.log_sum)},
+                                 static_cast<scale_t>(active && !a.renormalize ? coef * mass : 0.0), out};
+  for_each_row_chunk<16 / sizeof(T), T, scale_t>(a.zs.row(n), a.zs.stride, a.vocab, a.vectorized,
+                                                 static_cast<scale_t>(a.inv_t), dense);
   if (!active) return;
   __syncthreads();  // phase 1's stores are visible to the block before any id's entry is rewritten
   // Phase 2: each id's entry, written once by its first occurrence.
@@ -213,6 +264,8 @@ TopKArgs<T> topk_args(const at::Tensor& zs, const at::Tensor& ids, const at::Ten
   a.k = p.k;
   a.inv_t = p.inv_temperature;
   a.renormalize = p.renormalize;
+  a.vectorized = zs.stride(1) == 1 && reinterpret_cast<uintptr_t>(zs.data_ptr()) % 16 == 0 &&
+                 (zs.stride(0) * zs.element_size()) % 16 == 0;
   return a;
 }
 
@@ -258,9 +311,10 @@ at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logit_distill_bwd_cuda", [&] {
     using T = cuda_type_t<scalar_t>;
     if (p.num_rows == 0) return;
+    TopKArgs<T> a = topk_args<T>(zs, ids, lps, labels, p);
+    a.vectorized = a.vectorized && (p.vocab_size * dzs.element_size()) % 16 == 0;  // dzs rows take 16-byte stores
     topk_backward_kernel<T><<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        topk_args<T>(zs, ids, lps, labels, p), g.data_ptr<double>(), stats.data_ptr<double>(),
-        reinterpret_cast<T*>(dzs.data_ptr()));
+        a, g.data_ptr<double>(), stats.data_ptr<double>(), reinterpret_cast<T*>(dzs.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return dzs;
