@@ -114,3 +114,18 @@ def pyplot():
         print("matplotlib is not installed (pip install matplotlib): skipping the plot")
         return None
     return plt
+
+
+def grouped_bars(ax, groups, series, *, fontsize=None):
+    """Bars of series {label: [value per group]} side by side in each of `groups` (tick labels), log scale."""
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups, fontsize=fontsize)
+    ax.set_yscale("log")
+
+
+def save_figure(fig, out):
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"wrote {out.with_suffix('.png')}")

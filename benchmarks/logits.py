@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew
-from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, pyplot, short_error
-from harness import time_runs
+from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
+from harness import save_figure, short_error, time_runs
 
 LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
 COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
@@ -118,24 +118,17 @@ def plot(rows, out):
         return
     ok = [r for r in rows if r.get("status") == "ok" and r["method"] != "copy"]
     cases = list(dict.fromkeys((r["loss"], r["mode"]) for r in ok))
-    methods = list(dict.fromkeys(r["method"] for r in ok))
+    series = {method: [next((float(r["median_ms"]) for r in ok if (r["loss"], r["mode"]) == case
+                             and r["method"] == method), 0) for case in cases]
+              for method in dict.fromkeys(r["method"] for r in ok)}
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(cases)), 4))
-    width = 0.8 / max(len(methods), 1)
-    for i, method in enumerate(methods):
-        times = [next((float(r["median_ms"]) for r in ok if (r["loss"], r["mode"]) == case and r["method"] == method),
-                      0) for case in cases]
-        ax.bar([j + i * width for j in range(len(cases))], times, width, label=method)
+    grouped_bars(ax, [f"{loss}\n{mode}" for loss, mode in cases], series, fontsize=7)
     copy = [float(r["median_ms"]) for r in rows if r["method"] == "copy" and r.get("status") == "ok"]
     if copy:
         ax.axhline(copy[0], color="black", linewidth=0.8, label="one copy of [N, V]")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{loss}\n{mode}" for loss, mode in cases],
-                  fontsize=7)
-    ax.set_yscale("log")
     ax.set_ylabel("median ms")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    print(f"wrote {out.with_suffix('.png')}")
+    save_figure(fig, out)
 
 
 def main():

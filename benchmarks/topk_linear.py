@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew
-from harness import OOM_ERROR, device_name, free_device_memory, memory_baseline, peak_extra_mib, pyplot, short_error
-from harness import time_runs
+from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
+from harness import save_figure, short_error, time_runs
 
 COLUMNS = ["date", "device", "torch", "cuda", "method", "normalize", "K", "mode", "dtype", "N", "V", "D", "status",
            "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm"]
@@ -87,21 +87,15 @@ def plot(rows, out):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, mode in zip(axes, ("forward", "fwd_bwd")):
         ok = [r for r in rows if r["mode"] == mode and r["status"] == "ok" and r["method"] != "gemm"]
-        labels = sorted({(r["method"], r["normalize"]) for r in ok})
         ks = sorted({r["K"] for r in ok})
-        width = 0.8 / max(len(labels), 1)
-        for i, (method, normalize) in enumerate(labels):
-            ratios = [next((r["ratio_to_gemm"] for r in ok if r["K"] == k and r["method"] == method
-                            and r["normalize"] == normalize), 0) for k in ks]
-            ax.bar([j + i * width for j in range(len(ks))], ratios, width, label=f"{method} {normalize}")
+        series = {f"{method} {normalize}": [next((r["ratio_to_gemm"] for r in ok if r["K"] == k and r["method"] == method
+                                                  and r["normalize"] == normalize), 0) for k in ks]
+                  for method, normalize in sorted({(r["method"], r["normalize"]) for r in ok})}
+        grouped_bars(ax, [f"K={k}" for k in ks], series)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [f"K={k}" for k in ks])
         ax.set_title(f"{mode}: time / cuBLAS products")
-        ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    print(f"wrote {out.with_suffix('.png')}")
+    save_figure(fig, out)
 
 
 def main():

@@ -208,6 +208,28 @@ __device__ __forceinline__ void store_pair(T* dst, float a, float b) {
   }
 }
 
+// The [N x >= chunk_cols] buffer a gradient pass writes dLoss/dz of vocabulary entries
+// [chunk_begin, chunk_begin + chunk_cols) into: entry (n, v) at grad[n * ld + v - chunk_begin].
+template <typename T>
+struct GradChunk {
+  int64_t chunk_begin, chunk_cols;
+  T* grad;
+  int64_t ld;  // even, as chunk_begin is: a fragment's entry pair is one aligned store
+
+  __device__ __forceinline__ int64_t end() const { return chunk_begin + chunk_cols; }
+  // Stores a thread's fragment entries (col, col + 1) of row n (col even), those inside the chunk;
+  // kInside: the caller knows both are.
+  template <bool kInside = false>
+  __device__ __forceinline__ void store(int64_t n, int64_t col, const float (&dz)[2]) const {
+    T* out = grad + n * ld - chunk_begin;
+    if (kInside || col + 1 < end()) {
+      store_pair(out + col, dz[0], dz[1]);  // one 4- or 8-byte store: half the store instructions
+    } else if (col < end()) {
+      out[col] = from_float<T>(dz[0]);
+    }
+  }
+};
+
 // The gradient pass. Its fold is compiled once per divergence and CE add-on (on or off) for the
 // common tile (every column inside the vocabulary and the chunk, no student softcap), and once in
 // general.
@@ -220,9 +242,7 @@ struct GradPass {
   static constexpr bool kStudentOnly = false;
   struct Params {
     const float* row_stats;  // [N, kNumRowStats] from the forward
-    int64_t chunk_begin, chunk_cols;
-    T* grad;  // [N x >= chunk_cols] at row stride ld: entry (n, v) at grad[n * ld + v - chunk_begin]
-    int64_t ld;
+    GradChunk<T> chunk;
   };
   Params p;
 
@@ -233,7 +253,7 @@ struct GradPass {
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT& zt) {
     constexpr int kCols = 8 * ZT::kNTiles;
-    const bool plain = !(a.softcap_s > 0.f) && v0 + kCols <= a.vocab_size && v0 + kCols <= p.chunk_begin + p.chunk_cols;
+    const bool plain = !(a.softcap_s > 0.f) && v0 + kCols <= a.vocab_size && v0 + kCols <= p.chunk.end();
     if (plain && a.ce_weight != 0.f) return plain_fold<true>(a, rows, v0, zs, zt);
     if (plain) return plain_fold<false>(a, rows, v0, zs, zt);
     fold<LossKind::kJSD, false, true>(a, rows, v0, zs, zt);
@@ -258,7 +278,6 @@ struct GradPass {
     const float inv_t = a.inv_temperature;
     DivergenceParams<float> div = a.div;
     if constexpr (kPlain) div.kind = kKind;  // a constant: divergence_grad's switch folds away
-    const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (rows.row[i] >= a.n_rows) continue;
@@ -266,7 +285,6 @@ struct GradPass {
       const LogNormalizer<float> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
       const LogNormalizer<float> norm_ce{row[kMaxCE], row[kLogSumCE]};
       const float center = row[kGradCenter];
-      T* out = p.grad + rows.row[i] * p.ld - p.chunk_begin;
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
         const int64_t col = v0 + fragment_col(j, 0);  // even, as are chunk_begin and ld
@@ -283,11 +301,7 @@ struct GradPass {
             if (!kPlain) dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
           }
         }
-        if (kPlain || col + 1 < chunk_end) {
-          store_pair(out + col, dz[0], dz[1]);  // one 4- or 8-byte store: half the store instructions
-        } else if (col < chunk_end) {
-          out[col] = from_float<T>(dz[0]);
-        }
+        p.chunk.template store<kPlain>(rows.row[i], col, dz);
       }
     }
   }

@@ -195,6 +195,11 @@ LaunchPlan grad_plan(KernelPath path, int64_t tile_cols, int64_t rows, int64_t c
                   /*for_grad=*/true);
 }
 
+template <typename T>
+GradChunk<T> grad_chunk_of(int64_t chunk_begin, int64_t chunk_cols, const at::Tensor& grad_chunk) {
+  return {chunk_begin, chunk_cols, reinterpret_cast<T*>(grad_chunk.data_ptr()), grad_chunk.stride(0)};
+}
+
 }  // namespace
 
 bool use_sm90a_kernels() { return !forced_sm80() && sm90a_kernels_loaded(); }
@@ -264,8 +269,8 @@ void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin
   const LaunchPlan plan = grad_plan(path_, tile_cols_, p_.num_rows, chunk_begin, chunk_cols, grad_chunk);
   if (p_.num_rows == 0 || chunk_cols == 0) return;
   NITROBREW_DISPATCH_16_32("nitrobrew_grad_pass", {
-    const typename GradPass<T>::Params params{row_stats.data_ptr<float>(), chunk_begin, chunk_cols,
-                                              reinterpret_cast<T*>(grad_chunk.data_ptr()), grad_chunk.stride(0)};
+    const typename GradPass<T>::Params params{row_stats.data_ptr<float>(), grad_chunk_of<T>(chunk_begin, chunk_cols,
+                                                                                           grad_chunk)};
     launch_pass<T, GradPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
   });
 }
@@ -286,9 +291,8 @@ void LogitTilePasses::student_grad_pass(const at::Tensor& grad_rows, int64_t chu
   const LaunchPlan plan = grad_plan(path_, tile_cols_, p_.num_rows, chunk_begin, chunk_cols, grad_chunk);
   if (p_.num_rows == 0 || chunk_cols == 0) return;
   NITROBREW_DISPATCH_16_32("nitrobrew_student_grad_pass", {
-    const typename StudentGradPass<T>::Params params{grad_rows.data_ptr<float>(), chunk_begin, chunk_cols,
-                                                     reinterpret_cast<T*>(grad_chunk.data_ptr()),
-                                                     grad_chunk.stride(0)};
+    const typename StudentGradPass<T>::Params params{grad_rows.data_ptr<float>(),
+                                                     grad_chunk_of<T>(chunk_begin, chunk_cols, grad_chunk)};
     launch_pass<T, StudentGradPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
   });
 }

@@ -91,9 +91,7 @@ struct StudentGradPass {
   static constexpr bool kStudentOnly = true;
   struct Params {
     const float* rows;  // [N, kNumStudentGradRow]: the student's log-normalizer and the dense coefficient
-    int64_t chunk_begin, chunk_cols;
-    T* grad;  // [N x >= chunk_cols] at row stride ld: entry (n, v) at grad[n * ld + v - chunk_begin]
-    int64_t ld;
+    GradChunk<T> chunk;
   };
   Params p;
 
@@ -105,7 +103,6 @@ struct StudentGradPass {
                                        const ZS& zs, const ZT&) {
     constexpr int kN = ZS::kNTiles;
     const float inv_t = a.inv_temperature;
-    const int64_t chunk_end = p.chunk_begin + p.chunk_cols;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (rows.row[i] >= a.n_rows) continue;
@@ -114,7 +111,6 @@ struct StudentGradPass {
       // A row without a dense part (masked, no teacher mass, or renormalized over the K ids) gets
       // zeros; its normalizer may be a placeholder, so no exponential is evaluated.
       const float coef = rows.valid[i] ? row[kGradRowCoef] * inv_t : 0.f;
-      T* out = p.grad + rows.row[i] * p.ld - p.chunk_begin;
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
         const int64_t col = v0 + fragment_col(j, 0);  // even, as are chunk_begin and ld
@@ -125,11 +121,7 @@ struct StudentGradPass {
             dz[e] = coef * PassExp<T>{}(log_prob(scale_logit(zs.at(j, 2 * i + e), inv_t), norm));
           }
         }
-        if (col + 1 < chunk_end) {
-          store_pair(out + col, dz[0], dz[1]);
-        } else if (col < chunk_end) {
-          out[col] = from_float<T>(dz[0]);
-        }
+        p.chunk.store(rows.row[i], col, dz);
       }
     }
   }
