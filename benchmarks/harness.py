@@ -129,3 +129,16 @@ def save_figure(fig, out):
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     print(f"wrote {out.with_suffix('.png')}")
+
+
+def write_csv(out, columns, rows):
+    """rows (dicts) as CSV at out, floats to 4 significant digits, keys outside columns dropped."""
+    import csv
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: (f"{val:.4g}" if isinstance(val, float) else val) for key, val in row.items()})
+    print(f"wrote {out}")

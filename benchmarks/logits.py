@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import nitrobrew
 from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
-from harness import save_figure, short_error, time_runs
+from harness import save_figure, short_error, time_runs, write_csv
 
 LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
 COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
@@ -189,13 +189,7 @@ def main():
                       f"{row.get('median_ms', float('nan')):8.2f} ms  {row.get('peak_extra_mib', float('nan')):9.1f} MiB"
                       + (f"  {row['fraction_of_copy']:.2f} of copy" if "fraction_of_copy" in row else ""))
     out = args.out or Path(__file__).parent / "results" / f"logits_{args.device}_{today}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
-    print(f"wrote {out}")
+    write_csv(out, COLUMNS, rows)
     plot(rows, out)
 
 

@@ -17,7 +17,6 @@ ratio of the median to the gemm row's median of the same mode.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import statistics
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 import nitrobrew
 from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
-from harness import save_figure, short_error, time_runs
+from harness import save_figure, short_error, time_runs, write_csv
 
 COLUMNS = ["date", "device", "torch", "cuda", "method", "normalize", "K", "mode", "dtype", "N", "V", "D", "status",
            "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm"]
@@ -152,13 +151,7 @@ def main():
                           f"{row.get('median_ms', float('nan')):8.2f} ms {row.get('ratio_to_gemm', float('nan')):6.2f}x "
                           f"{row.get('peak_extra_mib', float('nan')):9.1f} MiB")
     out = args.out or Path(__file__).parent / "results" / f"topk_linear_{args.device}_{today}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: (f"{val:.4g}" if isinstance(val, float) else val) for key, val in row.items()})
-    print(f"wrote {out}")
+    write_csv(out, COLUMNS, rows)
     plot(rows, out)
 
 
