@@ -127,13 +127,23 @@ NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
   return T(1) - r * r;
 }
 
-// log(exp(a) + exp(b)) for finite a, b.
-template <typename T>
-NB_HOST_DEVICE T log_add_exp(T a, T b) {
+// The exponential of the row math; the CUDA kernels pass a faster one for 16-bit inputs (the
+// special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
+struct StdExp {
+  template <typename T>
+  NB_HOST_DEVICE T operator()(T x) const {
+    return exp_(x);
+  }
+};
+
+// log(exp(a) + exp(b)) for finite a, b. exp(lo - hi) is in (0, 1]: a relative error e of it moves
+// the result by at most e / 2, so a fast exponential costs no more than its own rounding.
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE T log_add_exp(T a, T b, Exp exp = Exp{}) {
   using std::log1p;
   const T hi = a > b ? a : b;
   const T lo = a > b ? b : a;
-  return hi + log1p(exp_(lo - hi));
+  return hi + log1p(exp(lo - hi));
 }
 
 // Row statistics of the forward pass (the columns of RowStat in fused_linear_params.h are
@@ -166,9 +176,11 @@ struct DivergenceParams {
   T log_beta;       // log(beta), JSD only
 };
 
-template <typename T>
-NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q) {
-  return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q);
+// log M for M = (1 - beta) p + beta q. The JSD's forward and backward of one kernel family must
+// pass the same `exp`: the backward's centre is the forward's sum of the same log p - log M terms.
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q, Exp exp = Exp{}) {
+  return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q, exp);
 }
 
 // dLoss/ds_v for one vocabulary entry (DESIGN.md section 3), where s, t are the student's
@@ -179,14 +191,7 @@ NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q) {
 //               logits are ~1e4 and KL is a difference of two such numbers.
 //   JSD:        KL(p || M), summed in the forward from the same log p - log M terms.
 //   forward KL: unused.
-// `exp` evaluates the probabilities (the CUDA kernels pass a faster one for 16-bit inputs).
-struct StdExp {
-  template <typename T>
-  NB_HOST_DEVICE T operator()(T x) const {
-    return exp_(x);
-  }
-};
-
+// `exp` evaluates the probabilities and the mixture (log_mixture).
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p, T log_q, T center,
                                  Exp exp = Exp{}) {
@@ -197,7 +202,7 @@ NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p
     case LossKind::kReverseKL:
       return p * ((s - t) - center);
     default:
-      return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q) - center);
+      return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q, exp) - center);
   }
 }
 

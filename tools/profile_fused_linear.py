@@ -14,10 +14,12 @@ can be compared; tools/bench_experiments.sh does).
 import argparse
 import os
 import statistics
+import time
 
 import torch
 
 import nitrobrew
+import trace_gaps
 
 
 def main():
@@ -48,17 +50,26 @@ def main():
         step()
     torch.cuda.synchronize()
     if args.repeats > 0:
-        times = []
-        for _ in range(args.repeats):
+        # Each step timed twice over: as issued (the GPU waits while the host prepares the first
+        # launch) and behind a queued sleep kernel (the host's lead hidden: device time alone).
+        times, primed, host = [], [], []
+        for queued in [False] * args.repeats + [True] * args.repeats:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(200_000_000)  # ~0.1 s at H100 clocks: longer than the host's work
+            xs.grad = ws.grad = None  # fresh gradients, as after zero_grad()
             start.record()
+            t0 = time.perf_counter()
             step()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            (primed if queued else times).append(start.elapsed_time(end))
         print(f"N={args.tokens} V={args.vocab} Ds={args.d_student} Dt={args.d_teacher} bf16, {mode}, "
               f"NITROBREW_FORCE_SM80='{os.environ.get('NITROBREW_FORCE_SM80', '')}': "
-              f"median {statistics.median(times):.2f} ms, min {min(times):.2f} ms of {args.repeats}")
+              f"median {statistics.median(times):.2f} ms, min {min(times):.2f} ms of {args.repeats}; "
+              f"behind a queued kernel {statistics.median(primed):.2f} ms; host time per step "
+              f"{statistics.median(host):.2f} ms")
         xs.grad = ws.grad = None  # the gradients of one step, not of all steps so far
         loss = step()
         check = f"check: loss {loss.item():.9e}"
@@ -66,11 +77,13 @@ def main():
             check += f", |dxs| {xs.grad.float().norm().item():.9e}, |dws| {ws.grad.float().norm().item():.9e}"
         print(check)
     if args.breakdown:
+        xs.grad = ws.grad = None  # as a training step after zero_grad(): no accumulation kernels
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         print(f"kernels of one {mode}:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        trace_gaps.print_gaps(prof)
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ struct MixturePass {
           if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
           const float log_p = log_prob(scale_logit(zs.at(j, 2 * i + e), a.inv_temperature), norm_s[i]);
           const float log_q = log_prob(scale_logit(zt.at(j, 2 * i + e), a.inv_temperature), norm_t[i]);
-          const float log_m = log_mixture(a.div, log_p, log_q);
+          const float log_m = log_mixture(a.div, log_p, log_q, PassExp<T>{});  // as the gradient pass
           kl_q_m[i] += exp_(log_q) * (log_q - log_m);
           kl_p_m[i] += exp_(log_p) * (log_p - log_m);
         }

@@ -70,18 +70,18 @@ __device__ __forceinline__ void merge_parts(KLState<acc_t>& a, const KLState<acc
 }
 
 // The KL pass's per-thread state: the one-pass KL state of the entries it saw, rescaled only
-// when a chunk raises a running maximum.
-template <typename T, typename acc_t>
+// when a chunk raises a running maximum. The direction is a template argument: choosing between
+// the s and t arrays at run time made the compiler keep both in local memory.
+template <typename T, typename acc_t, bool kWeightByStudent>
 struct KLAccumulator {
   static constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  bool weight_by_student;
   KLState<acc_t> st;
 
   template <int kN>
   __device__ __forceinline__ void chunk(const acc_t (&s)[kN], const acc_t (&t)[kN], int64_t) {
     const RowExp<T, acc_t> ex;
-    const acc_t(&w)[kN] = weight_by_student ? s : t;
-    const acc_t(&o)[kN] = weight_by_student ? t : s;
+    const acc_t(&w)[kN] = kWeightByStudent ? s : t;
+    const acc_t(&o)[kN] = kWeightByStudent ? t : s;
     acc_t max_w = kNegInf, max_o = kNegInf;
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
@@ -98,13 +98,20 @@ struct KLAccumulator {
       st.o.l *= rescale(st.o.m, max_o);
       st.o.m = max_o;
     }
+    // -inf entries have probability 0 and add nothing (0 log 0 = 0): with a finite running
+    // maximum their exponential is exp(-inf) = 0, so they need no test of their own; while the
+    // maximum is still -inf every entry so far was -inf and the chunk adds nothing.
+    if (st.w.m != kNegInf) {
 #pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      // -inf entries have probability 0 and add nothing (0 log 0 = 0).
-      const acc_t ew = w[k] == kNegInf ? acc_t(0) : ex(w[k] - st.w.m);
-      st.w.l += ew;
-      st.a += ew == acc_t(0) ? acc_t(0) : ew * (w[k] - o[k]);
-      st.o.l += o[k] == kNegInf ? acc_t(0) : ex(o[k] - st.o.m);
+      for (int k = 0; k < kN; ++k) {
+        const acc_t ew = ex(w[k] - st.w.m);
+        st.w.l += ew;
+        st.a += ew == acc_t(0) ? acc_t(0) : ew * (w[k] - o[k]);
+      }
+    }
+    if (st.o.m != kNegInf) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) st.o.l += ex(o[k] - st.o.m);
     }
   }
 };
@@ -160,7 +167,7 @@ struct RowArgs {
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
 };
 
-template <typename T, typename acc_t>
+template <typename T, typename acc_t, bool kWeightByStudent>
 __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
   const int64_t n = blockIdx.x;
   acc_t* stats = a.stats + n * kNumRowStats;
@@ -169,7 +176,7 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
     if (threadIdx.x == 0) a.loss[n] = acc_t(0);
     return;
   }
-  KLAccumulator<T, acc_t> acc{a.div.kind == LossKind::kReverseKL, {}};
+  KLAccumulator<T, acc_t, kWeightByStudent> acc{};
   for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, acc);
   const KLState<acc_t> st = block_merge(acc.st);
   if (threadIdx.x != 0) return;
@@ -180,7 +187,7 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
     a.loss[n] = nan;
     return;
   }
-  a.loss[n] = store_kl_row(finish_kl_row(st, acc.weight_by_student), stats);
+  a.loss[n] = store_kl_row(finish_kl_row(st, kWeightByStudent), stats);
   stats[kMaxCE] = acc_t(0);
   stats[kLogSumCE] = acc_t(0);
 }
@@ -199,7 +206,7 @@ struct MixtureSums {
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       const acc_t log_p = log_prob(s[k], norm_s), log_q = log_prob(t[k], norm_t);
-      const acc_t log_m = log_mixture(div, log_p, log_q);  // not formed below when both are -inf
+      const acc_t log_m = log_mixture(div, log_p, log_q, ex);  // not formed below when both are -inf
       kl_q_m += log_q == kNegInf ? acc_t(0) : ex(log_q) * (log_q - log_m);
       kl_p_m += log_p == kNegInf ? acc_t(0) : ex(log_p) * (log_p - log_m);
     }
@@ -334,7 +341,8 @@ std::tuple<at::Tensor, at::Tensor> logit_distill_fwd_cuda(const at::Tensor& zs_i
       const RowArgs<acc_t> a = row_args<acc_t>(zs, zt, labels, p, loss.data_ptr<acc_t>(), stats.data_ptr<acc_t>());
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       const unsigned grid = static_cast<unsigned>(p.num_rows);
-      kl_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+      const auto kl_pass = p.kind == LossKind::kReverseKL ? kl_pass_kernel<T, acc_t, true> : kl_pass_kernel<T, acc_t, false>;
+      kl_pass<<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (p.kind == LossKind::kJSD) {
         mixture_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);

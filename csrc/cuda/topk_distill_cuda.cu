@@ -6,9 +6,11 @@
 //             over the K gathered logits), the teacher's kept mass, and the K terms in float64;
 //   backward: normalize="full" writes (sum_k q_k) p_v for every v (float32 math, 16-byte stores),
 //             then each id's entry again in float64 with its q's subtracted; "topk" writes zeros,
-//             then p~ - q~ at the ids. An id that appears
-//             several times is written once, by its first occurrence, with every occurrence's
-//             terms (O(K^2) comparisons per row: meant for K up to a few thousand).
+//             then p~ - q~ at the ids. An id that appears several times is written once, by
+//             its first occurrence, with every occurrence's terms in the order of the ids: the
+//             row's (id, position) pairs are sorted in shared memory first (bitonic, K up to
+//             kMaxSortedIds), or, for larger K, each id is compared with the ones before it
+//             (O(K^2) per row).
 // Ids outside [0, V) stop the kernel with a device-side assertion, as torch.gather's do (a check
 // on the host would synchronize).
 #include <ATen/ATen.h>
@@ -214,9 +216,60 @@ __global__ void __launch_bounds__(kRowThreads)
   loss[n] = total;
 }
 
+// Up to this many ids per row the backward finds repeated ids by sorting them in shared memory.
+constexpr int64_t kMaxSortedIds = 4096;
+
+// The sort's length: K rounded up to a power of two, or 0 for the comparison search (K above
+// kMaxSortedIds, or ids that do not fit the keys' 32 bits).
+int64_t sorted_id_slots(int64_t k, int64_t vocab) {
+  if (k > kMaxSortedIds || vocab > (int64_t(1) << 32)) return 0;
+  int64_t slots = 1;
+  while (slots < k) slots *= 2;
+  return slots;
+}
+
+// The row's ids as (id << 32 | position) keys, sorted ascending in `keys` (`slots` entries, a power
+// of two >= K, padded with the largest key): equal ids end up adjacent, in the order of their
+// positions. Every thread of the block must call it.
+template <typename T>
+__device__ void sort_row_ids(const TopKArgs<T>& a, int64_t n, uint64_t* keys, int slots) {
+  for (int j = threadIdx.x; j < slots; j += blockDim.x) {
+    keys[j] = j < a.k ? (static_cast<uint64_t>(a.id(n, j)) << 32) | static_cast<uint32_t>(j) : ~uint64_t(0);
+  }
+  __syncthreads();
+  for (int size = 2; size <= slots; size *= 2) {  // bitonic sort
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      for (int t = threadIdx.x; t < slots / 2; t += blockDim.x) {
+        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+        const bool ascending = (lo & size) == 0;
+        const uint64_t x = keys[lo], y = keys[hi];
+        if ((x > y) == ascending) {
+          keys[lo] = y;
+          keys[hi] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The id entry's value: the dense term (normalize="full") and every occurrence's q, added in the
+// order of the occurrences.
+struct IdEntry {
+  double coef, mass, p;
+  LogNormalizer<double> teacher;
+  bool renormalize;
+  __device__ __forceinline__ double start() const { return renormalize ? 0.0 : coef * mass * p; }
+  __device__ __forceinline__ double term(double lp) const {
+    const double q = lp == kNegInf ? 0.0 : exp(teacher_log_prob(lp, teacher, renormalize));
+    return renormalize ? coef * (p - q) : -coef * q;
+  }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    topk_backward_kernel(TopKArgs<T> a, const double* grad_loss, const double* stats, T* dzs) {
+    topk_backward_kernel(TopKArgs<T> a, const double* grad_loss, const double* stats, T* dzs, int id_slots) {
+  extern __shared__ uint64_t sorted_ids[];  // id_slots keys, when id_slots > 0
   const int64_t n = blockIdx.x;
   const double* row = stats + n * kNumTopKRowStats;
   T* out = dzs + n * a.vocab;
@@ -225,6 +278,7 @@ __global__ void __launch_bounds__(kRowThreads)
                                                                                row[kTopKTeacherLogSum]};
   const double coef = grad_loss[n] * a.inv_t;
   const double mass = active ? exp(teacher.max + teacher.log_sum) : 0.0;
+  if (active && id_slots > 0) sort_row_ids(a, n, sorted_ids, id_slots);  // `active` is uniform in the block
   // Phase 1: every entry as if no id were there.
   using scale_t = ScaleType<T>;
   DenseGradWriter<T> dense{{static_cast<scale_t>(student.max), static_cast<scale_t>(student.log_sum)},
@@ -235,17 +289,28 @@ __global__ void __launch_bounds__(kRowThreads)
   __syncthreads();  // phase 1's stores are visible to the block before any id's entry is rewritten
   // Phase 2: each id's entry, written once by its first occurrence.
   const double* lp = a.lps + n * a.k;
+  if (id_slots > 0) {
+    for (int64_t r = threadIdx.x; r < a.k; r += blockDim.x) {
+      const uint32_t v = static_cast<uint32_t>(sorted_ids[r] >> 32);
+      if (r > 0 && static_cast<uint32_t>(sorted_ids[r - 1] >> 32) == v) continue;
+      const IdEntry e{coef, mass, exp(log_prob(a.s(n, v), student)), teacher, a.renormalize};
+      double g = e.start();
+      for (int64_t i = r; i < a.k && static_cast<uint32_t>(sorted_ids[i] >> 32) == v; ++i) {
+        g += e.term(lp[static_cast<uint32_t>(sorted_ids[i])]);
+      }
+      out[v] = from_acc<T>(g);
+    }
+    return;
+  }
   for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) {
     const int64_t v = a.id(n, j);
     bool first = true;
     for (int64_t i = 0; i < j && first; ++i) first = a.id(n, i) != v;
     if (!first) continue;
-    const double p = exp(log_prob(a.s(n, v), student));
-    double g = a.renormalize ? 0.0 : coef * mass * p;
+    const IdEntry e{coef, mass, exp(log_prob(a.s(n, v), student)), teacher, a.renormalize};
+    double g = e.start();
     for (int64_t i = j; i < a.k; ++i) {
-      if (a.id(n, i) != v) continue;
-      const double q = lp[i] == kNegInf ? 0.0 : exp(teacher_log_prob(lp[i], teacher, a.renormalize));
-      g += a.renormalize ? coef * (p - q) : -coef * q;
+      if (a.id(n, i) == v) g += e.term(lp[i]);
     }
     out[v] = from_acc<T>(g);
   }
@@ -313,8 +378,12 @@ at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Te
     if (p.num_rows == 0) return;
     TopKArgs<T> a = topk_args<T>(zs, ids, lps, labels, p);
     a.vectorized = a.vectorized && (p.vocab_size * dzs.element_size()) % 16 == 0;  // dzs rows take 16-byte stores
-    topk_backward_kernel<T><<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        a, g.data_ptr<double>(), stats.data_ptr<double>(), reinterpret_cast<T*>(dzs.data_ptr()));
+    const int64_t id_slots = sorted_id_slots(p.k, p.vocab_size);
+    const size_t smem = static_cast<size_t>(id_slots) * sizeof(uint64_t);  // <= 32 KB: no opt-in needed
+    topk_backward_kernel<T><<<static_cast<unsigned>(p.num_rows), kRowThreads, smem,
+                              c10::cuda::getCurrentCUDAStream()>>>(
+        a, g.data_ptr<double>(), stats.data_ptr<double>(), reinterpret_cast<T*>(dzs.data_ptr()),
+        static_cast<int>(id_slots));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return dzs;
