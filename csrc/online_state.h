@@ -138,12 +138,13 @@ struct StdExp {
 
 // log(exp(a) + exp(b)) for finite a, b. exp(lo - hi) is in (0, 1]: a relative error e of it moves
 // the result by at most e / 2, so a fast exponential costs no more than its own rounding.
+// (lo - hi is -|a - b| exactly: one max and an absolute value instead of two selections.)
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE T log_add_exp(T a, T b, Exp exp = Exp{}) {
+  using std::fabs;
+  using std::fmax;
   using std::log1p;
-  const T hi = a > b ? a : b;
-  const T lo = a > b ? b : a;
-  return hi + log1p(exp(lo - hi));
+  return fmax(a, b) + log1p(exp(-fabs(a - b)));
 }
 
 // Row statistics of the forward pass (the columns of RowStat in fused_linear_params.h are
