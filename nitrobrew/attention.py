@@ -95,8 +95,6 @@ def attention_kl(
     if q_s.device.type == "cuda" and q_s.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"nitrobrew.attention_kl's CUDA kernels take bfloat16 or float16 inputs (tensor cores, as "
                         f"FlashAttention), got {q_s.dtype}; cast q and k, e.g. q.to(torch.bfloat16)")
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        q_t, k_t = (t.clone() if t.is_inference() else t for t in (q_t, k_t))
     loss, _ = _ops.attention_kl_fwd(q_s, k_s, q_t, k_t, attention_mask, kind == "reverse", causal, scale_s, scale_t,
                                     temperature, deterministic)
     if reduction == "none":

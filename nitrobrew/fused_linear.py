@@ -86,11 +86,6 @@ def _fused_linear_loss(
             f"ws {ws.dtype}, wt {wt.dtype}. Cast them to one dtype, or call under torch.autocast, which casts "
             f"all four to its dtype"
         )
-    # Tensors made under torch.inference_mode (a teacher's forward, typically) cannot be saved
-    # for backward; the teacher's hidden states are small, so copy them into a normal tensor.
-    # (torch.compile cannot ask is_inference(); Dynamo treats such inputs itself.)
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        xt, wt = (t.clone() if t.is_inference() else t for t in (xt, wt))
     if xs.device.type not in _KERNEL_DEVICE_TYPES:
         raise RuntimeError(
             f"this build of nitrobrew has no kernels for {xs.device.type} tensors; rebuild it on a machine "

@@ -16,7 +16,6 @@ nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from nitrobrew import _checks
@@ -54,8 +53,6 @@ def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -
     temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
     beta = _checks.unit_interval(beta, "beta")
     lead_shape = zs.shape[:-1]
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and zt.is_inference():
-        zt = zt.clone()  # a teacher's logits made under inference_mode cannot be saved for backward
     flat_labels = labels.reshape(-1) if labels is not None else None
     vocab = zs.shape[-1]
     loss = logit_distill(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index=ignore_index,
@@ -111,9 +108,6 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        teacher_logprobs = teacher_logprobs.clone() if teacher_logprobs.is_inference() else teacher_logprobs
-        teacher_ids = teacher_ids.clone() if teacher_ids.is_inference() else teacher_ids
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss = topk_logit_distill(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
                               flat_labels, ignore_index=ignore_index, temperature=temperature,

@@ -52,11 +52,27 @@ def _fused_linear_distill_bwd_fake(
 
 def _save_for_recompute(ctx, inputs, output, n_tensors):
     """setup_context of the forward ops: saves the first n_tensors inputs and the row statistics
-    (the backward recomputes from them); the remaining inputs are plain options."""
+    (the backward recomputes from them); the remaining inputs are plain options.
+
+    Tensors made under torch.inference_mode (a teacher's logits or hidden states, typically) cannot go
+    through save_for_backward; they are held on ctx as they are instead of being copied (for logits
+    that copy would be [N x V]). They cannot be modified in place outside inference mode, so there is
+    no version to check. (torch.compile cannot ask is_inference(); Dynamo treats such inputs itself.)"""
     _, row_stats = output
-    ctx.save_for_backward(*inputs[:n_tensors], row_stats)
+    tensors = (*inputs[:n_tensors], row_stats)
+    held = {}
+    if not torch.compiler.is_compiling():
+        held = {i: t for i, t in enumerate(tensors) if isinstance(t, Tensor) and t.is_inference()}
+    ctx.save_for_backward(*(None if i in held else t for i, t in enumerate(tensors)))
+    ctx.held_inference_tensors = held
     ctx.options = inputs[n_tensors:]
     ctx.mark_non_differentiable(row_stats)
+
+
+def _saved(ctx):
+    """The tensors _save_for_recompute saved, in their order."""
+    held = ctx.held_inference_tensors
+    return tuple(held.get(i, t) for i, t in enumerate(ctx.saved_tensors))
 
 
 def _forbid_double_backward():
@@ -72,7 +88,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_row_stats):
     _forbid_double_backward()
-    xs, xt, ws, wt, labels, row_stats = ctx.saved_tensors
+    xs, xt, ws, wt, labels, row_stats = _saved(ctx)
     need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_dxs or need_dws):
         return (None,) * 13
@@ -107,7 +123,7 @@ def _logit_setup_context(ctx, inputs, output):
 
 def _logit_backward(ctx, grad_loss, _grad_row_stats):
     _forbid_double_backward()
-    zs, zt, labels, row_stats = ctx.saved_tensors
+    zs, zt, labels, row_stats = _saved(ctx)
     if not ctx.needs_input_grad[0]:
         return (None,) * 6
     dzs = _ops.logit_distill_bwd(grad_loss, zs, zt, labels, row_stats, *ctx.options)
@@ -141,7 +157,7 @@ def _topk_setup_context(ctx, inputs, output):
 
 def _topk_backward(ctx, grad_loss, _grad_row_stats):
     _forbid_double_backward()
-    zs, teacher_ids, teacher_logprobs, labels, row_stats = ctx.saved_tensors
+    zs, teacher_ids, teacher_logprobs, labels, row_stats = _saved(ctx)
     if not ctx.needs_input_grad[0]:
         return (None,) * 7
     dzs = _ops.topk_logit_distill_bwd(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, *ctx.options)
@@ -178,7 +194,7 @@ def _topk_linear_setup_context(ctx, inputs, output):
 
 def _topk_linear_backward(ctx, grad_loss, _grad_row_stats):
     _forbid_double_backward()
-    xs, ws, teacher_ids, teacher_logprobs, labels, row_stats = ctx.saved_tensors
+    xs, ws, teacher_ids, teacher_logprobs, labels, row_stats = _saved(ctx)
     need_dxs, need_dws = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dxs or need_dws):
         return (None,) * 9
@@ -220,7 +236,7 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_backward(ctx, grad_loss, _grad_row_stats):
     _forbid_double_backward()
-    q_s, k_s, q_t, k_t, key_mask, row_stats = ctx.saved_tensors
+    q_s, k_s, q_t, k_t, key_mask, row_stats = _saved(ctx)
     need_dq, need_dk = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dq or need_dk):
         return (None,) * 11

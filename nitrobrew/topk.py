@@ -9,7 +9,6 @@ computes the same loss from logits the caller holds.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from nitrobrew import _checks
@@ -63,9 +62,6 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        # Tensors made under inference_mode cannot be saved for backward; the teacher's are [N, K].
-        teacher_ids, teacher_logprobs = (t.clone() if t.is_inference() else t for t in (teacher_ids, teacher_logprobs))
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss = topk_linear_distill(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
