@@ -59,7 +59,14 @@ std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_l
     // float32 temporary of the whole matrix.
     xs_scaled = at::empty({n, hidden}, xs.options());
     at::mul_out(xs_scaled, xs, g);
-    dws = at::zeros(ws.sizes(), ws.options());  // padded rows past vocab_size stay 0
+    // Rows below vocab_size are written by the chunks' products; only padded rows past it (and
+    // every row when there is no token) need zeros: no memset of the whole [V x D] matrix.
+    dws = at::empty(ws.sizes(), ws.options());
+    if (n == 0) {
+      dws.zero_();
+    } else if (ws.size(0) > vocab_size) {
+      dws.narrow(0, vocab_size, ws.size(0) - vocab_size).zero_();
+    }
   }
   int64_t chunk = std::max<int64_t>(kGradChunkAlign,
                                     kChunkBytes / std::max<int64_t>(n * elem, 1) / kGradChunkAlign * kGradChunkAlign);
