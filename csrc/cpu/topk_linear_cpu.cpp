@@ -32,23 +32,50 @@ int64_t chunk_width(const TopKParams& p) {
   return std::max<int64_t>(1, std::min(p.vocab_size, kMaxChunkElements / std::max<int64_t>(p.num_rows, 1)));
 }
 
+// The rows of ws at its strides: the gathers read a non-contiguous ws in place instead of copying
+// the whole [V x D] matrix for the K rows per token they need.
+template <typename scalar_t>
+struct WsRows {
+  const scalar_t* base;
+  int64_t row_stride, col_stride;
+  explicit WsRows(const at::Tensor& ws)
+      : base(ws.data_ptr<scalar_t>()), row_stride(ws.stride(0)), col_stride(ws.stride(1)) {}
+
+  template <typename acc_t>
+  acc_t dot(int64_t v, const acc_t* x, int64_t d) const {  // ws[v] . x
+    const scalar_t* w = base + v * row_stride;
+    acc_t sum = 0;
+    if (col_stride == 1) {
+      for (int64_t j = 0; j < d; ++j) sum += x[j] * static_cast<acc_t>(w[j]);
+    } else {
+      for (int64_t j = 0; j < d; ++j) sum += x[j] * static_cast<acc_t>(w[j * col_stride]);
+    }
+    return sum;
+  }
+
+  template <typename acc_t>
+  void add_scaled(int64_t v, acc_t c, acc_t* out, int64_t d) const {  // out += c * ws[v]
+    const scalar_t* w = base + v * row_stride;
+    if (col_stride == 1) {
+      for (int64_t j = 0; j < d; ++j) out[j] += c * static_cast<acc_t>(w[j]);
+    } else {
+      for (int64_t j = 0; j < d; ++j) out[j] += c * static_cast<acc_t>(w[j * col_stride]);
+    }
+  }
+};
+
 // z[n, k] = xs[n] . ws[ids[n, k]] in acc_t.
 template <typename scalar_t, typename acc_t>
 at::Tensor gather_logits(const at::Tensor& xs_acc, const at::Tensor& ws, const at::Tensor& ids, const TopKParams& p) {
-  const at::Tensor ws_c = ws.contiguous(), ids_c = ids.contiguous();
+  const at::Tensor ids_c = ids.contiguous();
   at::Tensor z = at::empty({p.num_rows, p.k}, xs_acc.options());
   const acc_t* x = xs_acc.data_ptr<acc_t>();
-  const scalar_t* w = ws_c.data_ptr<scalar_t>();
+  const WsRows<scalar_t> w(ws);
   const int64_t* id = ids_c.data_ptr<int64_t>();
   acc_t* out = z.data_ptr<acc_t>();
   at::parallel_for(0, p.num_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k = 0; k < p.k; ++k) {
-        const scalar_t* w_row = w + id[n * p.k + k] * p.hidden;
-        acc_t sum = 0;
-        for (int64_t d = 0; d < p.hidden; ++d) sum += x[n * p.hidden + d] * static_cast<acc_t>(w_row[d]);
-        out[n * p.k + k] = sum;
-      }
+      for (int64_t k = 0; k < p.k; ++k) out[n * p.k + k] = w.dot(id[n * p.k + k], x + n * p.hidden, p.hidden);
     }
   });
   return z;
@@ -91,10 +118,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& xs_acc, con
                                                    const TopKGradTerms& terms, const at::Tensor& grad_loss,
                                                    const TopKParams& p, bool compute_dxs, bool compute_dws) {
   const TopKSparseGrad sparse = topk_sparse_grad(terms, grad_loss, xs_acc.scalar_type());
-  const at::Tensor ws_c = ws.contiguous(), ids = terms.write_ids.contiguous();
+  const at::Tensor ids = terms.write_ids.contiguous();
   const acc_t* coef = sparse.coef.data_ptr<acc_t>();
   const acc_t* x = xs_acc.data_ptr<acc_t>();
-  const scalar_t* w = ws_c.data_ptr<scalar_t>();
+  const WsRows<scalar_t> w(ws);
   const int64_t d = p.hidden;
   at::Tensor dxs = at::empty({0}, ws.options()), dws = at::empty({0}, ws.options());
   if (compute_dxs) {  // dxs[n] = sum_k coef[n, k] ws[id_k]
@@ -104,9 +131,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& xs_acc, con
     at::parallel_for(0, p.num_rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         for (int64_t k = 0; k < p.k; ++k) {
-          if (id[n * p.k + k] < 0) continue;
-          const scalar_t* w_row = w + id[n * p.k + k] * d;
-          for (int64_t j = 0; j < d; ++j) out[n * d + j] += coef[n * p.k + k] * static_cast<acc_t>(w_row[j]);
+          if (id[n * p.k + k] >= 0) w.add_scaled(id[n * p.k + k], coef[n * p.k + k], out + n * d, d);
         }
       }
     });
@@ -118,18 +143,24 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& xs_acc, con
     const int64_t* sorted = sparse.sorted_ids.data_ptr<int64_t>();
     const int64_t* order = sparse.order.data_ptr<int64_t>();
     const int64_t entries = sparse.sorted_ids.numel();
-    std::vector<acc_t> row(d);
-    for (int64_t i = 0; i < entries;) {
-      const int64_t v = sorted[i];
-      std::fill(row.begin(), row.end(), acc_t(0));
-      for (; i < entries && sorted[i] == v; ++i) {
-        const acc_t c = coef[order[i]];
-        const acc_t* x_row = x + (order[i] / p.k) * d;
-        for (int64_t j = 0; j < d; ++j) row[j] += c * x_row[j];
+    // Each run of one id is summed in order and written by one task: the task that holds its
+    // first entry (a task starting inside a run leaves that run to the task before it).
+    at::parallel_for(0, entries, 256, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> row(d);
+      int64_t i = begin;
+      while (i > 0 && i < end && sorted[i] == sorted[i - 1]) ++i;
+      while (i < end) {
+        const int64_t v = sorted[i];
+        std::fill(row.begin(), row.end(), acc_t(0));
+        for (; i < entries && sorted[i] == v; ++i) {
+          const acc_t c = coef[order[i]];
+          const acc_t* x_row = x + (order[i] / p.k) * d;
+          for (int64_t j = 0; j < d; ++j) row[j] += c * x_row[j];
+        }
+        if (v < 0) continue;  // the repeated occurrences
+        for (int64_t j = 0; j < d; ++j) out[v * d + j] = static_cast<scalar_t>(row[j]);
       }
-      if (v < 0) continue;  // the repeated occurrences
-      for (int64_t j = 0; j < d; ++j) out[v * d + j] = static_cast<scalar_t>(row[j]);
-    }
+    });
   }
   return {dxs, dws};
 }
