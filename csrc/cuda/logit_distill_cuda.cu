@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
 // JSD's second pass: KL(q || M) and KL(p || M) per row, with the log-normalizers of pass 1.
 template <typename T, typename acc_t>
 struct MixtureSums {
-  static constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  static constexpr acc_t kLowest = std::numeric_limits<acc_t>::lowest();
   DivergenceParams<acc_t> div;
   LogNormalizer<acc_t> norm_s, norm_t;
   acc_t kl_q_m = 0, kl_p_m = 0;
@@ -206,9 +206,12 @@ struct MixtureSums {
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       const acc_t log_p = log_prob(s[k], norm_s), log_q = log_prob(t[k], norm_t);
-      const acc_t log_m = log_mixture(div, log_p, log_q, ex);  // not formed below when both are -inf
-      kl_q_m += log_q == kNegInf ? acc_t(0) : ex(log_q) * (log_q - log_m);
-      kl_p_m += log_p == kNegInf ? acc_t(0) : ex(log_p) * (log_p - log_m);
+      const acc_t log_m = log_mixture(div, log_p, log_q, ex);
+      // 0 log 0 = 0 without a test: a -inf log-probability has the weight exp(-inf) = 0, and its
+      // difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite value,
+      // which 0 times leaves 0 (fmax returns the number when the other operand is NaN).
+      kl_q_m += ex(log_q) * fmax(log_q - log_m, kLowest);
+      kl_p_m += ex(log_p) * fmax(log_p - log_m, kLowest);
     }
   }
 };
