@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -106,8 +105,14 @@ def logit_distill(
     elif beta == 1.0:
         loss = torch.where(finite_s, safe_p.exp() * (safe_p - log_q), zero).sum(-1)
     else:
-        log_m = torch.logaddexp(safe_p + math.log1p(-beta), safe_q + math.log(beta))
-        log_m = torch.where(finite_s | finite_t, log_m, zero)
+        # log M from the finite sides only: a side that is -inf adds nothing to M (not exp(0), which
+        # its zero-replaced log-probability would add). Entries -inf on both sides are dropped below;
+        # their terms are 0 here so that autograd meets no -inf - -inf.
+        neither = ~(finite_s | finite_t)
+        absent = torch.where(neither, zero, torch.full_like(zero, -math.inf))
+        term_p = torch.where(finite_s, safe_p + math.log1p(-beta), absent)
+        term_q = torch.where(finite_t, safe_q + math.log(beta), absent)
+        log_m = torch.where(neither, zero, torch.logaddexp(term_p, term_q))
         kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
         kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
         loss = beta * kl_q_m + (1.0 - beta) * kl_p_m

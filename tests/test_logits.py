@@ -125,11 +125,14 @@ def test_masked_vocabulary_entries(beta, device):
 
 def test_masked_entries_of_one_model(device):
     # q = 0 where only the teacher is -inf: forward KL finite; p = 0 where only the student is: reverse
-    # KL finite. Both finite, gradients finite, against the reference.
+    # KL finite. Both finite, gradients finite, against the reference. JSD is finite either way (its
+    # mixture has mass wherever one side has).
     zs, zt, _ = make_logits(v=600)
     teacher_only = torch.rand(zt.shape, generator=torch.Generator().manual_seed(3)) < 0.2
     check(zs, zt.masked_fill(teacher_only, float("-inf")), beta=0.0, reduction="none", device=device)
     check(zs.masked_fill(teacher_only, float("-inf")), zt, beta=1.0, reduction="none", device=device)
+    check(zs, zt.masked_fill(teacher_only, float("-inf")), beta=0.5, reduction="none", device=device)
+    check(zs.masked_fill(teacher_only, float("-inf")), zt, beta=0.5, reduction="none", device=device)
 
 
 def test_infinite_divergence_is_not_nan(device):
