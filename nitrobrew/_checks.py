@@ -84,6 +84,21 @@ def labels(value, lead_shape: torch.Size, device: torch.device, of: str = "xs") 
     return value
 
 
+def ignore_index(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ignore_index must be an int, got {value!r}")
+    return value
+
+
+def kernel_device(device: torch.device, supported) -> None:
+    """The extension has kernels for `device` (this build's kernel device types: `supported`)."""
+    if device.type not in supported:
+        raise RuntimeError(
+            f"this build of nitrobrew has no kernels for {device.type} tensors; rebuild it on a machine "
+            f"with a CUDA toolkit and a CUDA build of torch (see the README's build section)"
+        )
+
+
 def same_device(tensors: dict) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:

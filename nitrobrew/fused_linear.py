@@ -86,17 +86,12 @@ def _fused_linear_loss(
             f"ws {ws.dtype}, wt {wt.dtype}. Cast them to one dtype, or call under torch.autocast, which casts "
             f"all four to its dtype"
         )
-    if xs.device.type not in _KERNEL_DEVICE_TYPES:
-        raise RuntimeError(
-            f"this build of nitrobrew has no kernels for {xs.device.type} tensors; rebuild it on a machine "
-            f"with a CUDA toolkit and a CUDA build of torch (see the README's build section)"
-        )
+    _checks.kernel_device(xs.device, _KERNEL_DEVICE_TYPES)
     temperature = _checks.positive_number(temperature, "temperature")
     beta = _checks.unit_interval(beta, "beta")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, lead_shape, xs.device)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    ignore_index = _checks.ignore_index(ignore_index)
     ce_weight = _checks.non_negative_number(ce_weight, "ce_weight")
     if ce_weight > 0 and labels is None:
         raise ValueError("ce_weight > 0 adds the hard-label cross-entropy and needs labels")

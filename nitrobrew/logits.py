@@ -30,13 +30,11 @@ _KERNEL_DEVICE_TYPES = kernel_device_types()
 
 def _common_checks(zs, temperature, reduction, labels, ignore_index):
     """Checks shared by every loss here; returns (temperature, reduction, labels)."""
-    if zs.device.type not in _KERNEL_DEVICE_TYPES:
-        raise RuntimeError(f"this build of nitrobrew has no kernels for {zs.device.type} tensors")
+    _checks.kernel_device(zs.device, _KERNEL_DEVICE_TYPES)
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, zs.shape[:-1], zs.device, of="zs")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    _checks.ignore_index(ignore_index)
     return temperature, reduction, labels
 
 

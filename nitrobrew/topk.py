@@ -54,13 +54,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     if ws.dtype != xs.dtype:
         raise TypeError(f"xs and ws must share one dtype, got {xs.dtype} and {ws.dtype} (or call under "
                         f"torch.autocast, which casts both to its dtype)")
-    if xs.device.type not in _KERNEL_DEVICE_TYPES:
-        raise RuntimeError(f"this build of nitrobrew has no kernels for {xs.device.type} tensors")
+    _checks.kernel_device(xs.device, _KERNEL_DEVICE_TYPES)
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, lead_shape, xs.device)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    ignore_index = _checks.ignore_index(ignore_index)
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None

@@ -217,6 +217,8 @@ def test_teacher_gets_no_gradient(device):
         (lambda zs, zt: nitrobrew.logits.forward_kl(zs, zt, labels=torch.zeros(2, dtype=torch.long)), ValueError,
          "leading shape"),
         (lambda zs, zt: nitrobrew.logits.forward_kl(zs[:, :0], zt[:, :0]), ValueError, "V >= 1"),
+        (lambda zs, zt: nitrobrew.logits.forward_kl(zs, zt, ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        (lambda zs, zt: nitrobrew.logits.jsd(zs, zt, ignore_index=True), TypeError, "ignore_index must be an int"),
     ],
 )
 def test_errors(call, error, match):

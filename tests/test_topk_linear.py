@@ -200,6 +200,15 @@ def test_errors(change, error, match):
         nitrobrew.topk_kl(xs, ws, ids, lps)
 
 
+def test_ignore_index_must_be_an_int():
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        nitrobrew.topk_kl(xs, ws, ids, lps, ignore_index=1.5)
+    zs = xs @ ws.T
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        nitrobrew.logits.topk_kl(zs, ids, lps, ignore_index=True)
+
+
 def test_unknown_normalize_is_an_error():
     xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
     with pytest.raises(ValueError, match="normalize"):
