@@ -51,7 +51,8 @@ def main():
     torch.cuda.synchronize()
     if args.repeats > 0:
         # Each step timed twice over: as issued (the GPU waits while the host prepares the first
-        # launch) and behind a queued sleep kernel (the host's lead hidden: device time alone).
+        # launch) and behind a queued sleep kernel (the host's lead hidden; but the GPU also rests
+        # during the sleep, and such steps ran 8% faster at N = 8192: benchmarks/NOTES.md).
         times, primed, host = [], [], []
         for queued in [False] * args.repeats + [True] * args.repeats:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
