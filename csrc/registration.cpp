@@ -44,7 +44,7 @@ TORCH_LIBRARY(nitrobrew, m) {
   // its full vocabulary), sum_k q_k (log q_k - log p_{id_k}), the temperature on the student only.
   // renormalize: both distributions renormalized over the K ids ("topk"), else the student's over
   // the vocabulary and q_k as given ("full"). Returns loss [N] (float32, float64 for float64 inputs)
-  // and row_stats [N, 4] (float64, TopKRowStat).
+  // and row_stats [N, 4 + K] (float64: TopKRowStat, then the K student logits at the ids).
   m.def(
       "topk_logit_distill_fwd(Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
       "int ignore_index, float temperature, bool renormalize) -> (Tensor, Tensor)");

@@ -12,8 +12,8 @@ namespace nitrobrew {
 // renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none).
 enum TopKRowStat : int { kTopKMax = 0, kTopKLogSum, kTopKTeacherMax, kTopKTeacherLogSum, kNumTopKRowStats };
 
-// The top-K ops from hidden states (topk_linear_distill_*) save [N, kNumTopKRowStats + K] statistics:
-// these columns, then the K student logits z_{id_k} (before the temperature) that the forward gathered.
+// The top-K ops (from logits and from hidden states) save [N, kNumTopKRowStats + K] statistics: these
+// columns, then the K student logits z_{id_k} (before the temperature) that the forward gathered.
 constexpr int kTopKLogitsColumn = kNumTopKRowStats;
 
 struct TopKParams {

@@ -139,8 +139,10 @@ NUM_TOPK_ROW_STATS = 4  # kNumTopKRowStats in csrc/topk_params.h
 @torch.library.register_fake("nitrobrew::topk_logit_distill_fwd")
 def _topk_logit_distill_fwd_fake(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize):
     torch._check(zs.dim() == 2 and teacher_ids.dim() == 2, lambda: "zs must be [N, V] and teacher_ids [N, K]")
-    n = zs.shape[0]
-    return zs.new_empty((n,), dtype=_stats_dtype(zs.dtype)), zs.new_empty((n, NUM_TOPK_ROW_STATS), dtype=torch.float64)
+    n, k = zs.shape[0], teacher_ids.shape[1]
+    # The row statistics, then the K student logits at the ids (as the ops from hidden states keep them).
+    return (zs.new_empty((n,), dtype=_stats_dtype(zs.dtype)),
+            zs.new_empty((n, NUM_TOPK_ROW_STATS + k), dtype=torch.float64))
 
 
 @torch.library.register_fake("nitrobrew::topk_logit_distill_bwd")

@@ -81,6 +81,14 @@ def test_dtypes(normalize, dtype, device):
 
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("lp_dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_teacher_logprob_dtypes(normalize, lp_dtype, device):
+    # The CUDA kernels read float32 and float64 log-probabilities as given and widen 16-bit ones first.
+    zs, ids, lps, labels = make_topk(k=24, masked_rows=True)
+    check(zs, ids, lps.to(lp_dtype), normalize=normalize, reduction="none", labels=labels, device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
 def test_temperatures_and_logit_scales(normalize, temperature, scale, device):
     zs, ids, lps, _ = make_topk(v=500, k=20, scale=scale)

@@ -95,7 +95,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
   const at::Tensor ids_c = ids.contiguous(), lp_c = lps.to(at::kDouble).contiguous();
   const std::vector<uint8_t> valid = valid_rows(labels, p);
   at::Tensor loss = at::zeros({p.num_rows}, out_options.dtype(at::kDouble));
-  at::Tensor stats = at::zeros({p.num_rows, kNumTopKRowStats}, out_options.dtype(at::kDouble));
+  // The row statistics, then the K raw logits at the ids (kTopKLogitsColumn), as the CUDA op keeps them.
+  const int64_t columns = kTopKLogitsColumn + p.k;
+  at::Tensor stats = at::zeros({p.num_rows, columns}, out_options.dtype(at::kDouble));
   const scalar_t* z = zs.data_ptr<scalar_t>();
   const int64_t* id = ids_c.data_ptr<int64_t>();
   const acc_t* lp = lp_c.data_ptr<acc_t>();
@@ -110,7 +112,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
       const int64_t* idn = id + n * p.k;
       const acc_t* lpn = lp + n * p.k;
       const TopKNorms<acc_t> norms = row_norms<acc_t>(zn, idn, lpn, p);
-      acc_t* row = stats_ + n * kNumTopKRowStats;
+      acc_t* row = stats_ + n * columns;
+      for (int64_t k = 0; k < p.k; ++k) row[kTopKLogitsColumn + k] = static_cast<acc_t>(zn[idn[k]]);
       row[kTopKMax] = norms.student.max;
       row[kTopKLogSum] = norms.student.log_sum;
       row[kTopKTeacherMax] = norms.teacher.max;
@@ -150,7 +153,7 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
   at::parallel_for(0, p.num_rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> row_grad(p.vocab_size);  // the row's gradient, rounded to the dtype once
     for (int64_t n = begin; n < end; ++n) {
-      const acc_t* row = stats + n * kNumTopKRowStats;
+      const acc_t* row = stats + n * (kTopKLogitsColumn + p.k);
       if (!valid[n] || row[kTopKTeacherMax] == kNegInf) continue;  // its gradient stays 0
       const TopKNorms<acc_t> norms{{row[kTopKMax], row[kTopKLogSum]}, {row[kTopKTeacherMax], row[kTopKTeacherLogSum]}};
       const Row<scalar_t> zn{z + n * zs.stride(0), zs.stride(1)};
@@ -200,7 +203,7 @@ at::Tensor topk_logit_distill_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
   const TopKParams p =
       make_topk_logit_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize);
   TORCH_CHECK(zs.device().is_cpu(), "zs must be a CPU tensor here, got ", zs.device());
-  check_topk_backward_inputs(grad_loss, row_stats, kNumTopKRowStats, p, zs.device());
+  check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, zs.device());
   at::Tensor dzs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logit_distill_bwd_cpu", [&] {
     dzs = backward_impl<scalar_t>(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, p);

@@ -1,9 +1,11 @@
 // CUDA kernels of the top-K teacher ops from logits (nitrobrew.logits.topk_kl): forward KL over the
 // K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}), with the same math as the CPU op
 // (csrc/cpu/topk_distill_cpu.cpp). One block per row:
-//   forward:  the student's log-normalizer (normalize="full": one streaming pass over the row in
-//             16-byte loads, float32 exponentials summed per load, float64 across loads; "topk":
-//             over the K gathered logits), the teacher's kept mass, and the K terms in float64;
+//   forward:  gathers the K student logits at the ids into the row's statistics first (the
+//             backward reads them there, not scattered over the row), then the student's
+//             log-normalizer (normalize="full": one streaming pass over the row in 16-byte loads,
+//             float32 exponentials summed per load, float64 across loads; "topk": over the K
+//             gathered logits), the teacher's kept mass, and the K terms in float64;
 //   backward: normalize="full" writes (sum_k q_k) p_v for every v (float32 math, 16-byte stores),
 //             then each id's entry again in float64 with its q's subtracted; "topk" writes zeros,
 //             then p~ - q~ at the ids. An id that appears several times is written once, by
@@ -11,6 +13,9 @@
 //             row's (id, position) pairs are sorted in shared memory first (bitonic, K up to
 //             kMaxSortedIds), or, for larger K, each id is compared with the ones before it
 //             (O(K^2) per row).
+// The teacher's log-probabilities are read as float32 or float64, as given (other dtypes are
+// widened to float32 first); the loss is written, and its gradient read, in the loss's dtype: no
+// conversion kernels around the two launches.
 // Ids outside [0, V) stop the kernel with a device-side assertion, as torch.gather's do (a check
 // on the host would synchronize).
 #include <ATen/ATen.h>
@@ -41,20 +46,38 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 template <typename T>
 using ScaleType = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// The loss's dtype (and its gradient's): float32, float64 for float64 logits, as on the CPU.
+template <typename T>
+using LossType = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The teacher's [N, K] log-probabilities (contiguous), float32 or float64.
+struct LogProbs {
+  const void* data;
+  bool is_double;
+  __device__ __forceinline__ double operator[](int64_t i) const {
+    return is_double ? static_cast<const double*>(data)[i] : static_cast<double>(static_cast<const float*>(data)[i]);
+  }
+};
+
 template <typename T>
 struct TopKArgs {
   Rows<T> zs;
   bool vectorized;  // rows 16-byte aligned with unit stride (and dzs rows, in the backward)
   const int64_t* ids;   // [N, K] contiguous
-  const double* lps;    // [N, K] contiguous, float64
+  LogProbs lps;         // [N, K]
   const int64_t* labels;  // nullptr without labels
   int64_t ignore_index, vocab, k;
   double inv_t;
   bool renormalize;
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
-  __device__ __forceinline__ double s(int64_t n, int64_t v) const {
+  // Entry v of row n as float64 (exact), as the statistics keep the gathered logits.
+  __device__ __forceinline__ double z(int64_t n, int64_t v) const {
+    return static_cast<double>(to_acc<ScaleType<T>>(zs.row(n)[v * zs.stride]));
+  }
+  // The scaled logit of a raw one, rounded as every pass rounds it.
+  __device__ __forceinline__ double s(double z) const {
     using scale_t = ScaleType<T>;
-    return scale_logit(to_acc<scale_t>(zs.row(n)[v * zs.stride]), static_cast<scale_t>(inv_t));
+    return scale_logit(static_cast<scale_t>(z), static_cast<scale_t>(inv_t));
   }
   __device__ __forceinline__ int64_t id(int64_t n, int64_t j) const {
     const int64_t v = ids[n * k + j];
@@ -157,25 +180,26 @@ struct DenseGradWriter {
   }
 };
 
-// The row's normalizers as the CPU op forms them (its row_norms), in every thread.
+// The row's normalizers as the CPU op forms them (its row_norms), in every thread; `gathered`: the
+// row's K raw logits at the ids.
 template <typename T>
-__device__ void row_norms(const TopKArgs<T>& a, int64_t n, LogNormalizer<double>& student,
+__device__ void row_norms(const TopKArgs<T>& a, int64_t n, const double* gathered, LogNormalizer<double>& student,
                           LogNormalizer<double>& teacher) {
-  const double* lp = a.lps + n * a.k;
+  const int64_t lp0 = n * a.k;
   double lp_max = kNegInf;
-  for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) lp_max = fmax(lp_max, lp[j]);
+  for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) lp_max = fmax(lp_max, a.lps[lp0 + j]);
   lp_max = block_max(lp_max);
   double mass = 0;
   if (lp_max != kNegInf) {
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) mass += exp(lp[j] - lp_max);
+    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) mass += exp(a.lps[lp0 + j] - lp_max);
   }
   teacher = block_normalizer(lp_max, mass);
   if (a.renormalize) {
     double m = kNegInf;
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) m = fmax(m, a.s(n, a.id(n, j)));
+    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) m = fmax(m, a.s(gathered[j]));
     m = block_max(m);
     double sum = 0;
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) sum += m == kNegInf ? 0.0 : exp(a.s(n, a.id(n, j)) - m);
+    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) sum += m == kNegInf ? 0.0 : exp(a.s(gathered[j]) - m);
     student = block_normalizer(m, sum);
   } else {
     student = full_normalizer(a, n);
@@ -186,25 +210,38 @@ __device__ __forceinline__ double teacher_log_prob(double lp, const LogNormalize
   return renormalize ? log_prob(lp, teacher) : lp;
 }
 
+// Blocks per SM the kernels are compiled for: 6 (<= 40 registers) for 16-bit logits, enough bytes in
+// flight per SM with two 16-byte loads per thread (for_each_row_chunk); float32 and float64 logits
+// (float64 exponentials) would spill at 40.
 template <typename T>
-__global__ void __launch_bounds__(kRowThreads)
-    topk_forward_kernel(TopKArgs<T> a, double* loss, double* stats) {
+constexpr int RowBlocksPerSM = sizeof(T) == 2 ? 6 : 1;
+
+// Writes loss[n] and the row's statistics: [kNumTopKRowStats + K] columns, the last K the raw
+// logits at the ids (kTopKLogitsColumn, as the ops from hidden states keep them).
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
+    topk_forward_kernel(TopKArgs<T> a, LossType<T>* loss, double* stats) {
   const int64_t n = blockIdx.x;
-  double* row = stats + n * kNumTopKRowStats;
+  double* row = stats + n * (kTopKLogitsColumn + a.k);
+  double* gathered = row + kTopKLogitsColumn;
   if (!a.valid(n)) {
-    if (threadIdx.x < kNumTopKRowStats) row[threadIdx.x] = 0.0;
-    if (threadIdx.x == 0) loss[n] = 0.0;
+    for (int64_t j = threadIdx.x; j < kTopKLogitsColumn + a.k; j += blockDim.x) row[j] = 0.0;
+    if (threadIdx.x == 0) loss[n] = 0;
     return;
   }
+  // Gathered first, so that these scattered loads are in flight with the teacher's reductions. Each
+  // thread reads back only the entries it wrote (positions j = threadIdx.x mod blockDim.x).
+  for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) gathered[j] = a.z(n, a.id(n, j));
   LogNormalizer<double> student, teacher;
-  row_norms(a, n, student, teacher);
-  const double* lp = a.lps + n * a.k;
+  row_norms(a, n, gathered, student, teacher);
+  const int64_t lp0 = n * a.k;
   double total = 0, unused = 0;
   if (teacher.max != kNegInf) {
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) {
-      if (lp[j] == kNegInf) continue;  // q = 0: 0 log 0 = 0
-      const double log_q = teacher_log_prob(lp[j], teacher, a.renormalize);
-      total += exp(log_q) * (log_q - log_prob(a.s(n, a.id(n, j)), student));
+      const double lp = a.lps[lp0 + j];
+      if (lp == kNegInf) continue;  // q = 0: 0 log 0 = 0
+      const double log_q = teacher_log_prob(lp, teacher, a.renormalize);
+      total += exp(log_q) * (log_q - log_prob(a.s(gathered[j]), student));
     }
   }
   block_sum2(total, unused);
@@ -213,7 +250,7 @@ __global__ void __launch_bounds__(kRowThreads)
   row[kTopKLogSum] = student.log_sum;
   row[kTopKTeacherMax] = teacher.max;
   row[kTopKTeacherLogSum] = teacher.log_sum;
-  loss[n] = total;
+  loss[n] = static_cast<LossType<T>>(total);
 }
 
 // Up to this many ids per row the backward finds repeated ids by sorting them in shared memory.
@@ -267,16 +304,17 @@ struct IdEntry {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kRowThreads)
-    topk_backward_kernel(TopKArgs<T> a, const double* grad_loss, const double* stats, T* dzs, int id_slots) {
+__global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
+    topk_backward_kernel(TopKArgs<T> a, const LossType<T>* grad_loss, const double* stats, T* dzs, int id_slots) {
   extern __shared__ uint64_t sorted_ids[];  // id_slots keys, when id_slots > 0
   const int64_t n = blockIdx.x;
-  const double* row = stats + n * kNumTopKRowStats;
+  const double* row = stats + n * (kTopKLogitsColumn + a.k);
+  const double* gathered = row + kTopKLogitsColumn;  // the forward's logits at the ids
   T* out = dzs + n * a.vocab;
   const bool active = a.valid(n) && row[kTopKTeacherMax] != kNegInf;
   const LogNormalizer<double> student{row[kTopKMax], row[kTopKLogSum]}, teacher{row[kTopKTeacherMax],
                                                                                row[kTopKTeacherLogSum]};
-  const double coef = grad_loss[n] * a.inv_t;
+  const double coef = static_cast<double>(grad_loss[n]) * a.inv_t;
   const double mass = active ? exp(teacher.max + teacher.log_sum) : 0.0;
   if (active && id_slots > 0) sort_row_ids(a, n, sorted_ids, id_slots);  // `active` is uniform in the block
   // Phase 1: every entry as if no id were there.
@@ -288,15 +326,16 @@ __global__ void __launch_bounds__(kRowThreads)
   if (!active) return;
   __syncthreads();  // phase 1's stores are visible to the block before any id's entry is rewritten
   // Phase 2: each id's entry, written once by its first occurrence.
-  const double* lp = a.lps + n * a.k;
+  const int64_t lp0 = n * a.k;
   if (id_slots > 0) {
     for (int64_t r = threadIdx.x; r < a.k; r += blockDim.x) {
       const uint32_t v = static_cast<uint32_t>(sorted_ids[r] >> 32);
       if (r > 0 && static_cast<uint32_t>(sorted_ids[r - 1] >> 32) == v) continue;
-      const IdEntry e{coef, mass, exp(log_prob(a.s(n, v), student)), teacher, a.renormalize};
+      const uint32_t first = static_cast<uint32_t>(sorted_ids[r]);
+      const IdEntry e{coef, mass, exp(log_prob(a.s(gathered[first]), student)), teacher, a.renormalize};
       double g = e.start();
       for (int64_t i = r; i < a.k && static_cast<uint32_t>(sorted_ids[i] >> 32) == v; ++i) {
-        g += e.term(lp[static_cast<uint32_t>(sorted_ids[i])]);
+        g += e.term(a.lps[lp0 + static_cast<uint32_t>(sorted_ids[i])]);
       }
       out[v] = from_acc<T>(g);
     }
@@ -307,10 +346,10 @@ __global__ void __launch_bounds__(kRowThreads)
     bool first = true;
     for (int64_t i = 0; i < j && first; ++i) first = a.id(n, i) != v;
     if (!first) continue;
-    const IdEntry e{coef, mass, exp(log_prob(a.s(n, v), student)), teacher, a.renormalize};
+    const IdEntry e{coef, mass, exp(log_prob(a.s(gathered[j]), student)), teacher, a.renormalize};
     double g = e.start();
     for (int64_t i = j; i < a.k; ++i) {
-      if (a.id(n, i) == v) g += e.term(lp[i]);
+      if (a.id(n, i) == v) g += e.term(a.lps[lp0 + i]);
     }
     out[v] = from_acc<T>(g);
   }
@@ -322,7 +361,7 @@ TopKArgs<T> topk_args(const at::Tensor& zs, const at::Tensor& ids, const at::Ten
   TopKArgs<T> a;
   a.zs = {reinterpret_cast<const T*>(zs.data_ptr()), zs.stride(0), zs.stride(1)};
   a.ids = ids.data_ptr<int64_t>();
-  a.lps = lps.data_ptr<double>();
+  a.lps = {lps.data_ptr(), lps.scalar_type() == at::kDouble};
   a.labels = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;
   a.ignore_index = p.ignore_index;
   a.vocab = p.vocab_size;
@@ -334,6 +373,12 @@ TopKArgs<T> topk_args(const at::Tensor& zs, const at::Tensor& ids, const at::Ten
   return a;
 }
 
+// The teacher's log-probabilities as the kernels read them: float32 or float64 as given, contiguous.
+at::Tensor kernel_logprobs(const at::Tensor& lps) {
+  const bool readable = lps.scalar_type() == at::kFloat || lps.scalar_type() == at::kDouble;
+  return (readable ? lps : lps.to(at::kFloat)).contiguous();
+}
+
 std::tuple<at::Tensor, at::Tensor> topk_logit_distill_fwd_cuda(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                                               const at::Tensor& teacher_logprobs,
                                                               const c10::optional<at::Tensor>& labels_in,
@@ -343,21 +388,21 @@ std::tuple<at::Tensor, at::Tensor> topk_logit_distill_fwd_cuda(const at::Tensor&
                                               renormalize, /*check_ids_on_host=*/false);
   TORCH_CHECK(zs.is_cuda() && zs.size(0) < (int64_t(1) << 31), "zs must be a CUDA tensor of fewer than 2^31 rows");
   const c10::cuda::CUDAGuard guard(zs.device());
-  const at::Tensor ids = teacher_ids.contiguous(), lps = teacher_logprobs.to(at::kDouble).contiguous();
+  const at::Tensor ids = teacher_ids.contiguous(), lps = kernel_logprobs(teacher_logprobs);
   const c10::optional<at::Tensor> labels =
       labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
-  at::Tensor loss = at::empty({p.num_rows}, zs.options().dtype(at::kDouble));
-  at::Tensor stats = at::empty({p.num_rows, kNumTopKRowStats}, zs.options().dtype(at::kDouble));
+  // The loss in the inputs' accumulation dtype (float32, float64 for float64), as on the CPU.
+  const auto loss_dtype = zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor loss = at::empty({p.num_rows}, zs.options().dtype(loss_dtype));
+  at::Tensor stats = at::empty({p.num_rows, kTopKLogitsColumn + p.k}, zs.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logit_distill_fwd_cuda", [&] {
     using T = cuda_type_t<scalar_t>;
     if (p.num_rows == 0) return;
     topk_forward_kernel<T><<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        topk_args<T>(zs, ids, lps, labels, p), loss.data_ptr<double>(), stats.data_ptr<double>());
+        topk_args<T>(zs, ids, lps, labels, p), loss.data_ptr<LossType<T>>(), stats.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  // The loss in the inputs' accumulation dtype (float32, float64 for float64), as on the CPU.
-  const auto out_dtype = zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return {loss.to(out_dtype), stats};
+  return {loss, stats};
 }
 
 at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs, const at::Tensor& teacher_ids,
@@ -366,10 +411,11 @@ at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Te
                                        bool renormalize) {
   const TopKParams p = make_topk_logit_params(zs, teacher_ids, teacher_logprobs, labels_in, ignore_index, temperature,
                                               renormalize, /*check_ids_on_host=*/false);
-  check_topk_backward_inputs(grad_loss, row_stats, kNumTopKRowStats, p, zs.device());
+  check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, zs.device());
   const c10::cuda::CUDAGuard guard(zs.device());
-  const at::Tensor ids = teacher_ids.contiguous(), lps = teacher_logprobs.to(at::kDouble).contiguous();
-  const at::Tensor g = grad_loss.to(at::kDouble).contiguous(), stats = row_stats.to(at::kDouble).contiguous();
+  const at::Tensor ids = teacher_ids.contiguous(), lps = kernel_logprobs(teacher_logprobs);
+  const auto loss_dtype = zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor g = grad_loss.to(loss_dtype).contiguous(), stats = row_stats.to(at::kDouble).contiguous();
   const c10::optional<at::Tensor> labels =
       labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
   at::Tensor dzs = at::empty({p.num_rows, p.vocab_size}, zs.options().memory_format(at::MemoryFormat::Contiguous));
@@ -382,7 +428,7 @@ at::Tensor topk_logit_distill_bwd_cuda(const at::Tensor& grad_loss, const at::Te
     const size_t smem = static_cast<size_t>(id_slots) * sizeof(uint64_t);  // <= 32 KB: no opt-in needed
     topk_backward_kernel<T><<<static_cast<unsigned>(p.num_rows), kRowThreads, smem,
                               c10::cuda::getCurrentCUDAStream()>>>(
-        a, g.data_ptr<double>(), stats.data_ptr<double>(), reinterpret_cast<T*>(dzs.data_ptr()),
+        a, g.data_ptr<LossType<T>>(), stats.data_ptr<double>(), reinterpret_cast<T*>(dzs.data_ptr()),
         static_cast<int>(id_slots));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
