@@ -106,6 +106,15 @@ def test_repeated_ids(normalize, k, device):
     check(zs, ids, lps, normalize=normalize, reduction="none", device=device)
 
 
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_vocabulary_too_large_for_the_id_bitmap(normalize, device):
+    # Above 2^19 entries the CUDA kernels keep no bitmap of the ids and visit them after their pass over
+    # the row (sorted ids, repeats included).
+    zs, ids, lps, _ = make_topk(lead=(3,), v=530_000, k=40)
+    ids[:, 5] = ids[:, 2]
+    check(zs, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
 def test_full_vocabulary_ids_give_the_forward_kl(device):
     # K = V with the teacher's own log-probabilities: "full" top-K KL is the forward KL of the logits.
     g = torch.Generator().manual_seed(4)
