@@ -13,12 +13,11 @@ can be compared; tools/bench_experiments.sh does).
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 
 import nitrobrew
+import step_timing
 import trace_gaps
 
 
@@ -53,24 +52,15 @@ def main():
         # Each step timed twice over: as issued (the GPU waits while the host prepares the first
         # launch) and behind a queued sleep kernel (the host's lead hidden; but the GPU also rests
         # during the sleep, and such steps ran 8% faster at N = 8192: benchmarks/NOTES.md).
-        times, primed, host = [], [], []
-        for queued in [False] * args.repeats + [True] * args.repeats:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queued:
-                torch.cuda._sleep(200_000_000)  # ~0.1 s at H100 clocks: longer than the host's work
-            xs.grad = ws.grad = None  # fresh gradients, as after zero_grad()
-            start.record()
-            t0 = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            torch.cuda.synchronize()
-            (primed if queued else times).append(start.elapsed_time(end))
+        def fresh_gradients():
+            xs.grad = ws.grad = None  # as after zero_grad()
+
+        median, fastest, primed, host = step_timing.lone_and_queued(step, args.repeats, 200_000_000,  # ~0.1 s
+                                                                    reset=fresh_gradients)
         print(f"N={args.tokens} V={args.vocab} Ds={args.d_student} Dt={args.d_teacher} bf16, {mode}, "
               f"NITROBREW_FORCE_SM80='{os.environ.get('NITROBREW_FORCE_SM80', '')}': "
-              f"median {statistics.median(times):.2f} ms, min {min(times):.2f} ms of {args.repeats}; "
-              f"behind a queued kernel {statistics.median(primed):.2f} ms; host time per step "
-              f"{statistics.median(host):.2f} ms")
+              f"median {median:.2f} ms, min {fastest:.2f} ms of {args.repeats}; "
+              f"behind a queued kernel {primed:.2f} ms; host time per step {host:.2f} ms")
         xs.grad = ws.grad = None  # the gradients of one step, not of all steps so far
         loss = step()
         check = f"check: loss {loss.item():.9e}"

@@ -9,12 +9,11 @@ the teacher's top-K log-probabilities of its own logits.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import nitrobrew
+import step_timing
 import trace_gaps
 
 
@@ -22,25 +21,14 @@ def lone_call_times(step, zs, repeats=10):
     """Prints a step's time as the benchmark takes it (events around a lone call), behind a queued
     sleep kernel (the host's lead hidden), and the host's time per call, for forward + backward and
     for the forward alone (no grad)."""
-    for mode in ("fwd_bwd", "forward"):
-        lone, queued, host = [], [], []
-        for behind_sleep in [False] * repeats + [True] * repeats:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if behind_sleep:
-                torch.cuda._sleep(20_000_000)  # ~10 ms: longer than the host's work
-            start.record()
-            t0 = time.perf_counter()
-            if mode == "forward":
-                with torch.no_grad():
-                    step(backward=False)
-            else:
-                step()
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            torch.cuda.synchronize()
-            (queued if behind_sleep else lone).append(start.elapsed_time(end))
-        print(f"{mode}: lone call median {statistics.median(lone):.3f} ms (min {min(lone):.3f}); behind a queued "
-              f"kernel {statistics.median(queued):.3f} ms; host time per call {statistics.median(host):.3f} ms")
+    def forward():
+        with torch.no_grad():
+            step(backward=False)
+
+    for mode, fn in (("fwd_bwd", step), ("forward", forward)):
+        lone, lone_min, queued, host = step_timing.lone_and_queued(fn, repeats, 20_000_000)  # ~10 ms sleep
+        print(f"{mode}: lone call median {lone:.3f} ms (min {lone_min:.3f}); behind a queued "
+              f"kernel {queued:.3f} ms; host time per call {host:.3f} ms")
     zs.grad = None
 
 

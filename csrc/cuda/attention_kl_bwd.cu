@@ -39,6 +39,17 @@ __device__ __forceinline__ void store_pair(T* dst, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
 }
 
+// dst[0] += lo, dst[1] += hi atomically (dst 8-byte aligned: head dims are padded to multiples of 8);
+// one vector atomic on Hopper, where they exist.
+__device__ __forceinline__ void add_pair(float* dst, float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(lo, hi));
+#else
+  atomicAdd(dst, lo);
+  atomicAdd(dst + 1, hi);
+#endif
+}
+
 // The backward's per-row data of query i (zeros past the last query, so its dS is 0).
 template <typename T>
 __device__ __forceinline__ GradRow load_grad_row(const AttentionArgs<T>& a, int64_t bh, int i, float grad_scale) {
@@ -274,10 +285,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const int col = n0 + 8 * j + 2 * (lane % 4);
-            if (col < a.d_s) {
-              atomicAdd(out + col, part[j][2 * r] * unscale);
-              atomicAdd(out + col + 1, part[j][2 * r + 1] * unscale);
-            }
+            if (col < a.d_s) add_pair(out + col, part[j][2 * r] * unscale, part[j][2 * r + 1] * unscale);
           }
         }
       }
