@@ -115,6 +115,17 @@ def test_vocabulary_too_large_for_the_id_bitmap(normalize, device):
     check(zs, ids, lps, normalize=normalize, reduction="none", device=device)
 
 
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_ids_sharing_their_low_bits(normalize, device):
+    # Every id a multiple of 1024 (and some repeated): the CUDA backward hashes ids into a table, and
+    # hashes built from an id's low bits would send all of these to one entry.
+    zs, _, lps, _ = make_topk(lead=(6,), v=70_000, k=64)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(68, generator=g)[:64] for _ in range(6)]) * 1024
+    ids[:, 9] = ids[:, 4]
+    check(zs, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
 def test_full_vocabulary_ids_give_the_forward_kl(device):
     # K = V with the teacher's own log-probabilities: "full" top-K KL is the forward KL of the logits.
     g = torch.Generator().manual_seed(4)

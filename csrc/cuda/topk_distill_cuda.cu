@@ -182,7 +182,7 @@ struct RowIds {
   const uint32_t* bits = nullptr;  // the vocabulary bitmap, or nullptr: the ids are not found in the stream
   uint2* table = nullptr;          // (id, its first key), open addressing
   double* values = nullptr;        // a value per id, at its first key
-  int k = 0, table_mask = 0;
+  int k = 0, table_mask = 0, table_shift = 32;
   __device__ __forceinline__ uint32_t id_at(int r) const { return static_cast<uint32_t>(keys[r] >> 32); }
   __device__ __forceinline__ uint32_t position_at(int r) const { return static_cast<uint32_t>(keys[r]); }
   __device__ __forceinline__ bool first_of_its_id(int r) const { return r == 0 || id_at(r - 1) != id_at(r); }
@@ -192,10 +192,12 @@ struct RowIds {
   __device__ __forceinline__ uint32_t ids_among(int64_t v0) const {
     return (bits[v0 >> 5] >> (v0 & 31)) & ((1u << kN) - 1u);
   }
-  static __device__ __forceinline__ uint32_t hash(uint32_t v) { return v * 0x9E3779B1u; }
+  // The product's high bits: its low ones depend only on v's low bits, and ids that share many low
+  // zero bits (multiples of 1024, say) would all land in one entry.
+  __device__ __forceinline__ uint32_t slot(uint32_t v) const { return (v * 0x9E3779B1u) >> table_shift; }
   // The first key of id v (one of the ids), from the hash table.
   __device__ __forceinline__ int first(uint32_t v) const {
-    uint32_t h = hash(v) & table_mask;
+    uint32_t h = slot(v);
     while (table[h].x != v) h = (h + 1) & table_mask;
     return static_cast<int>(table[h].y);
   }
@@ -213,6 +215,7 @@ __device__ RowIds load_row_ids(const TopKArgs<T>& a, int64_t n, uint64_t* smem, 
   ids.values = reinterpret_cast<double*>(smem + layout.slots);
   ids.table = reinterpret_cast<uint2*>(ids.values + layout.slots);
   ids.table_mask = layout.table_entries() - 1;
+  ids.table_shift = 32 - (31 - __clz(layout.table_entries()));  // table_entries is a power of two >= 2
   uint32_t* bits = reinterpret_cast<uint32_t*>(ids.table + layout.table_entries());
   for (int w = threadIdx.x; w < layout.words; w += blockDim.x) bits[w] = 0;
   for (int e = threadIdx.x; e < layout.table_entries(); e += blockDim.x) ids.table[e] = make_uint2(kNoId, 0);
@@ -221,7 +224,7 @@ __device__ RowIds load_row_ids(const TopKArgs<T>& a, int64_t n, uint64_t* smem, 
     const uint32_t v = ids.id_at(r);
     atomicOr(&bits[v >> 5], 1u << (v & 31));
     if (!ids.first_of_its_id(r)) continue;
-    uint32_t h = RowIds::hash(v) & ids.table_mask;
+    uint32_t h = ids.slot(v);
     while (atomicCAS(&ids.table[h].x, kNoId, v) != kNoId) h = (h + 1) & ids.table_mask;
     ids.table[h].y = static_cast<uint32_t>(r);
   }
