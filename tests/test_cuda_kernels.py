@@ -56,16 +56,19 @@ def test_kernel_family_selection(kernel_family, d_s):
         assert hopper == 0 and mma == 3, names
 
 
+@pytest.mark.parametrize("n", [300, 400])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "beta,masked,ce_weight,softcap,padded",
     list(itertools.product(BETAS, [False, True], [0.0, 0.5], [False, True], [False, True])),
 )
-def test_tensor_core_kernels_every_option(kernel_family, dtype, beta, masked, ce_weight, softcap, padded):
-    # 300 rows = 2 x 128 + 44 (4 x 64 + 44); V = 1000 = 3 x 256 + 232 (15 x 64 + 40);
-    # K = 200 and 136: 7 and 5 slabs of 32 (4 and 3 of 64), the last partial.
+def test_tensor_core_kernels_every_option(kernel_family, n, dtype, beta, masked, ce_weight, softcap, padded):
+    # 300 rows = 2 x 128 + 44 (4 x 64 + 44): 3 row blocks, which the sm_90a kernel runs unpaired;
+    # 400 rows = 3 x 128 + 16: 4 row blocks, run in clusters of 2 that share the W slabs.
+    # V = 1000 = 3 x 256 + 232 (15 x 64 + 40); K = 200 and 136: 7 and 5 slabs of 32 (4 and 3 of
+    # 64), the last partial.
     rows = 1030 if padded else None
-    xs, xt, ws, wt, labels = make_problem(n=300, v=1000, d_s=200, d_t=136, dtype=dtype, device="cuda",
+    xs, xt, ws, wt, labels = make_problem(n=n, v=1000, d_s=200, d_t=136, dtype=dtype, device="cuda",
                                           masked=masked, rows_s=rows, rows_t=rows)
     options = dict(reduction="none", labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
                    temperature=1.5, vocab_size=1000 if padded else None)
@@ -74,10 +77,12 @@ def test_tensor_core_kernels_every_option(kernel_family, dtype, beta, masked, ce
     check_against_reference(xs, xt, ws, wt, beta=beta, **options)
 
 
+@pytest.mark.parametrize("n", [1100, 1200])
 @pytest.mark.parametrize("beta", BETAS)
-def test_tensor_core_kernels_many_row_blocks(kernel_family, beta):
-    # 1100 rows: 9 row blocks of 128, so the sm_90a block order's second group is partial.
-    xs, xt, ws, wt, labels = make_problem(n=1100, v=700, d_s=72, d_t=48, dtype=torch.bfloat16, device="cuda",
+def test_tensor_core_kernels_many_row_blocks(kernel_family, n, beta):
+    # 1100 rows: 9 row blocks of 128 (unpaired), 1200: 10 (5 clusters of 2), so the sm_90a block
+    # order's second group is partial either way.
+    xs, xt, ws, wt, labels = make_problem(n=n, v=700, d_s=72, d_t=48, dtype=torch.bfloat16, device="cuda",
                                           masked=True)
     check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none")
 

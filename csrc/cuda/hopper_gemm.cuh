@@ -6,7 +6,10 @@
 //   warpgroup 0 (producer; its thread 0 alone, Loader): streams 32-wide K slabs of X (128 rows)
 //     and W (256 rows) into a ring of kStages shared-memory stages with cp.async.bulk.tensor
 //     (TMA, 64-byte swizzle); each stage has a "full" mbarrier (TMA bytes landed) and an
-//     "empty" one (consumers are done), and is refilled as soon as both consumers release it;
+//     "empty" one (consumers are done), and is refilled as soon as both consumers release it.
+//     With an even number of row blocks, blocks run in clusters of 2 (two row blocks of one
+//     vocabulary split): each producer loads its own X slab and half of the W slab, multicast to
+//     both blocks, and a stage is refilled once the consumers of both have released it;
 //   warpgroups 1, 2 (consumers): each multiplies its 64 rows of the X slab by the W slab with
 //     wgmma.m64n256k16 into float32 accumulators in registers: first the student tile, which
 //     it then parks in shared memory (ParkedTile), then the teacher tile in the same
@@ -61,19 +64,23 @@ struct TensorMaps {
   CUtensorMap xs, xt, ws, wt;
 };
 
-// Which (row block, vocabulary split) a block takes. Blocks are numbered so that those running
-// together cover `group` consecutive row blocks and a run of splits: the X rows of a group stay
-// in L2 while its blocks walk the vocabulary, and each W tile is read from memory once per
-// group rather than once per row block.
+// Which (row block, vocabulary split) a block takes. The `cluster` blocks of a cluster take
+// consecutive row blocks of one split (the last of them may lie past the rows: it loads zeros
+// and writes nothing, but streams its share of the W slabs). Clusters are numbered so that those
+// running together cover `group` consecutive clusters' row blocks and a run of splits: the X rows
+// of a group stay in L2 while its blocks walk the vocabulary, and each W tile is read from memory
+// once per group rather than once per row block.
 struct BlockOrder {
-  int64_t row_blocks, splits;
+  int64_t row_units, splits;  // row_units: row blocks / cluster, rounded up
   int64_t group;
+  int64_t cluster;
   __device__ __forceinline__ void decode(int64_t id, int64_t& row_block, int64_t& split) const {
+    const int64_t unit = id / cluster, rank = id % cluster;
     const int64_t per_group = group * splits;
-    const int64_t g = id / per_group, r = id % per_group;
-    const int64_t rows_here = min(group, row_blocks - g * group);
-    row_block = g * group + r % rows_here;
-    split = r / rows_here;
+    const int64_t g = unit / per_group, r = unit % per_group;
+    const int64_t units_here = min(group, row_units - g * group);
+    row_block = cluster * (g * group + r % units_here) + rank;
+    split = r / units_here;
   }
 };
 
@@ -98,6 +105,17 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// Arrives on the mbarrier at this one's shared-memory offset in cluster block `rank`.
+__device__ __forceinline__ void mbar_arrive_remote(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
@@ -109,6 +127,17 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int3
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// The box at (column k, row) into shared memory at this offset in every cluster block of `mask`;
+// completes on each one's mbarrier at the offset of `bar`.
+__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int32_t k, int32_t row,
+                                                   uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar)), "h"(mask)
       : "memory");
 }
 
@@ -260,8 +289,12 @@ struct RingSlot {
 
 // The producer: one thread that streams the block's slabs into the ring, in the order the
 // consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's (none
-// for a student-only pass: k_slabs_t = 0).
+// for a student-only pass: k_slabs_t = 0). In a cluster of kCluster blocks (row blocks of one
+// split) it loads its own X slab and its share (`rank`) of the W slab, multicast to every block of
+// the cluster; a stage is then refilled once the consumers of all of them have released it.
+template <int kCluster>
 struct Loader {
+  static constexpr int kWBoxRows = kCols / kCluster;  // the W maps' box (logit_passes.cu)
   const TensorMaps* maps;
   uint8_t* smem;
   uint64_t* full;
@@ -269,6 +302,7 @@ struct Loader {
   int32_t row0;
   int64_t tile, last;
   int k_slabs_s, k_slabs_t;
+  int32_t rank;
   int teacher = 0, ks = 0;
   RingSlot slot;
 
@@ -282,7 +316,12 @@ struct Loader {
     const CUtensorMap* x = teacher ? &maps->xt : &maps->xs;
     const CUtensorMap* w = teacher ? &maps->wt : &maps->ws;
     tma_load(stage, x, ks * kK, row0, &full[slot.stage]);
-    tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage]);
+    if constexpr (kCluster == 1) {
+      tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage]);
+    } else {
+      tma_load_multicast(stage + kXSlabBytes + rank * kWBoxRows * kK * 2, w, ks * kK, v0 + rank * kWBoxRows,
+                         &full[slot.stage], (1u << kCluster) - 1);
+    }
     slot.advance();
     if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
       ks = 0;
@@ -300,9 +339,13 @@ struct Ring {
   uint64_t* empty;
   RingSlot slot;
   int pending = -1;  // stage whose wgmma group may still be reading it
+  int peer = -1;     // the other block of a cluster of 2 whose producer also fills this ring, or -1
 
   __device__ __forceinline__ void release(int stage, int lane) {
-    if (lane == 0) mbar_arrive(&empty[stage]);
+    if (lane == 0) {
+      mbar_arrive(&empty[stage]);
+      if (peer >= 0) mbar_arrive_remote(&empty[stage], peer);
+    }
   }
 
   // acc = this consumer's 64 rows x kCols of the tile over k_slabs slabs; all products are done
@@ -334,7 +377,8 @@ struct Ring {
   }
 };
 
-template <typename T, typename Pass>
+// Launched in clusters of kCluster (1 or 2) blocks (logit_passes.cu).
+template <typename T, typename Pass, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_logit_kernel(const __grid_constant__ TensorMaps maps, FusedLinearArgs<T> a, BlockOrder order,
                         VocabSchedule sched, typename Pass::Params params) {
@@ -347,11 +391,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
+      mbar_init(&empty[s], kCluster * kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    cluster_sync();  // the peer's loads and releases need this block's barriers initialized
+  } else {
+    __syncthreads();
+  }
 
   int64_t row_block, split;
   order.decode(blockIdx.x, row_block, split);
@@ -366,7 +414,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0) {
-      Loader loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t};
+      const int32_t rank = static_cast<int32_t>(blockIdx.x % kCluster);
+      Loader<kCluster> loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t,
+                              rank};
       while (loader.tile < last) loader.load_next();  // waits for each stage's release
     }
   } else {
@@ -377,6 +427,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const ParkedTile zs_parked{park + thread};
     Pass pass(a, rows, params);
     Ring ring{smem, full, empty};
+    if constexpr (kCluster == 2) ring.peer = static_cast<int>(blockIdx.x % 2) ^ 1;
+    static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 blocks");
     // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
     // made the compiler keep both live, 256 registers, and spill.)
     WideAcc z;
@@ -394,6 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     pass.finish(a, rows, split);
   }
+  if constexpr (kCluster > 1) cluster_sync();  // the peer may still load into this block's ring or release its stages
 #endif
 }
 

@@ -57,7 +57,7 @@ bool sm90a_kernels_loaded() {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     cudaFuncAttributes attr{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(
-        &attr, hopper::hopper_logit_kernel<__nv_bfloat16, KLPass<__nv_bfloat16>>));
+        &attr, hopper::hopper_logit_kernel<__nv_bfloat16, KLPass<__nv_bfloat16>, 1>));
     it = loaded.emplace(device, major == 9 && attr.binaryVersion == 90).first;
   }
   return it->second;
@@ -138,6 +138,39 @@ struct LaunchPlan {
   int64_t group_row_blocks;  // the wgmma path's BlockOrder group
 };
 
+// The sm_90a kernel in clusters of kCluster blocks. With an even number of row blocks they run in
+// pairs that share each W slab (each block loads half of it, multicast to both): the KL pass ran
+// 3% faster so and the gradient pass 1% (N = 8192; benchmarks/NOTES.md). An odd count runs
+// unpaired rather than pair its last block with an empty one.
+template <typename T, typename Pass, int kCluster>
+void launch_hopper(const FusedLinearArgs<T>& a, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+                   const at::Tensor& wt, const LaunchPlan& plan, const typename Pass::Params& params,
+                   cudaStream_t stream) {
+  constexpr int kWBoxRows = hopper::Loader<kCluster>::kWBoxRows;
+  const hopper::TensorMaps maps{tensor_map(xs, a.n_rows, hopper::kRows), tensor_map(xt, a.n_rows, hopper::kRows),
+                                tensor_map(ws, a.vocab_size, kWBoxRows), tensor_map(wt, a.vocab_size, kWBoxRows)};
+  const int64_t row_blocks = (a.n_rows + hopper::kRows - 1) / hopper::kRows;
+  const int64_t row_units = (row_blocks + kCluster - 1) / kCluster;
+  const int64_t blocks = kCluster * row_units * plan.splits;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many blocks for one launch");
+  const hopper::BlockOrder order{row_units, plan.splits, std::max<int64_t>(1, plan.group_row_blocks / kCluster),
+                                 kCluster};
+  auto kernel = hopper::hopper_logit_kernel<T, Pass, kCluster>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(hopper::kThreads);
+  config.dynamicSmemBytes = hopper::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, maps, a, order, plan.sched, params));
+}
+
 template <typename T, typename Pass>
 void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, const at::Tensor& xs,
                  const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt, const LaunchPlan& plan,
@@ -145,19 +178,9 @@ void launch_pass(KernelPath path, bool vectorized, const FusedLinearArgs<T>& a, 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (path == KernelPath::kWgmma) {
     if constexpr (sizeof(T) == 2) {
-      const hopper::TensorMaps maps{
-          tensor_map(xs, a.n_rows, hopper::kRows), tensor_map(xt, a.n_rows, hopper::kRows),
-          tensor_map(ws, a.vocab_size, hopper::kCols), tensor_map(wt, a.vocab_size, hopper::kCols)};
       const int64_t row_blocks = (a.n_rows + hopper::kRows - 1) / hopper::kRows;
-      const int64_t blocks = row_blocks * plan.splits;
-      TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many blocks for one launch");
-      const hopper::BlockOrder order{row_blocks, plan.splits, plan.group_row_blocks};
-      auto kernel = hopper::hopper_logit_kernel<T, Pass>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
-      kernel<<<static_cast<unsigned>(blocks), hopper::kThreads, hopper::kSmemBytes, stream>>>(maps, a, order,
-                                                                                             plan.sched, params);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
+      if (row_blocks % 2 == 0) return launch_hopper<T, Pass, 2>(a, xs, xt, ws, wt, plan, params, stream);
+      return launch_hopper<T, Pass, 1>(a, xs, xt, ws, wt, plan, params, stream);
     }
   }
   const int64_t row_tiles = (a.n_rows + kTileRows - 1) / kTileRows;
