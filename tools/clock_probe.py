@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import fused_linear_inputs
 import nitrobrew
 
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -38,19 +39,11 @@ def run_for(step, seconds):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=152064)
-    parser.add_argument("--d-student", type=int, default=3584)
-    parser.add_argument("--d-teacher", type=int, default=5120)
+    fused_linear_inputs.add_shape_arguments(parser, tokens=8192)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--out", default=None, help="raw nvidia-smi samples as CSV")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    xs = torch.randn(args.tokens, args.d_student, **kw, requires_grad=True)
-    xt = torch.randn(args.tokens, args.d_teacher, **kw)
-    ws = (torch.randn(args.vocab, args.d_student, **kw) / args.d_student**0.5).requires_grad_()
-    wt = torch.randn(args.vocab, args.d_teacher, **kw) / args.d_teacher**0.5
+    xs, xt, ws, wt = fused_linear_inputs.make_inputs(args)
 
     def cublas_step():  # the four products of the floor: two logit products, dxs and dws
         with torch.no_grad():

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+import fused_linear_inputs
 import nitrobrew
 import step_timing
 import trace_gaps
@@ -23,20 +24,12 @@ import trace_gaps
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=152064)
-    parser.add_argument("--d-student", type=int, default=3584)
-    parser.add_argument("--d-teacher", type=int, default=5120)
+    fused_linear_inputs.add_shape_arguments(parser, tokens=2048)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--repeats", type=int, default=0)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    kw = dict(device="cuda", dtype=torch.bfloat16)
-    xs = torch.randn(args.tokens, args.d_student, **kw, requires_grad=True)
-    xt = torch.randn(args.tokens, args.d_teacher, **kw)
-    ws = (torch.randn(args.vocab, args.d_student, **kw) / args.d_student**0.5).requires_grad_()
-    wt = torch.randn(args.vocab, args.d_teacher, **kw) / args.d_teacher**0.5
+    xs, xt, ws, wt = fused_linear_inputs.make_inputs(args)
     mode = "forward" if args.forward_only else "forward + backward"
 
     def step():
