@@ -139,8 +139,8 @@ struct LaunchPlan {
 };
 
 // The sm_90a kernel in clusters of kCluster blocks. With an even number of row blocks they run in
-// pairs that share each W slab (each block loads half of it, multicast to both): the KL pass ran
-// 3% faster so and the gradient pass 1% (N = 8192; benchmarks/NOTES.md). An odd count runs
+// pairs that share each W slab (each block loads half of it, multicast to both): the KL and
+// gradient passes ran ~3% faster so (N = 8192; benchmarks/NOTES.md, v12). An odd count runs
 // unpaired rather than pair its last block with an empty one.
 template <typename T, typename Pass, int kCluster>
 void launch_hopper(const FusedLinearArgs<T>& a, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
