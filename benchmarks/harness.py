@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -46,10 +47,21 @@ def peak_extra_mib(device, baseline):
     return (_vm_kib("VmHWM") * 1024 - baseline) / 2**20
 
 
-def time_runs(run, device, warmup, repeats):
+def time_runs(run, device, warmup, repeats, min_seconds=0.0):
+    """Times of `repeats` runs after `warmup` untimed ones, in ms; with min_seconds > 0, at least as
+    many runs as fill that long, up to 1000 (for millisecond calls, whose median over 5 runs can catch a
+    slow spell)."""
     for _ in range(warmup):
         run()
     times = []
+    if min_seconds > 0:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        repeats = max(repeats, min(1000, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-6))))
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

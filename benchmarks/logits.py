@@ -36,7 +36,7 @@ from harness import save_figure, short_error, time_runs, write_csv
 
 LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
 COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
-           "min_ms", "peak_extra_mib", "bytes_moved", "gb_per_s", "fraction_of_copy"]
+           "min_ms", "runs", "peak_extra_mib", "bytes_moved", "gb_per_s", "fraction_of_copy"]
 
 
 def nitrobrew_loss(zs, zt, loss):
@@ -106,8 +106,8 @@ def measure(method, loss, mode, zs, zt, args, methods=METHODS):
 
     zs.grad = None  # a gradient left by the previous measurement would hide this one's
     base = memory_baseline(device)
-    times = time_runs(run, device, args.warmup, args.repeats)
-    return {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times),
+    times = time_runs(run, device, args.warmup, args.repeats, args.min_seconds)
+    return {"status": "ok", "median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times),
             "peak_extra_mib": peak_extra_mib(device, base)}
 
 
@@ -141,6 +141,8 @@ def main():
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="time at least as many runs as fill this long (more than --repeats for fast calls)")
     p.add_argument("--topk", type=int, nargs="*", default=[], help="also top-K losses with these K")
     p.add_argument("--out", type=Path)
     p.add_argument("--replot", type=Path, help="only draw the plot of this CSV (beside it, as .png)")
