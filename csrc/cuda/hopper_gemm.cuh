@@ -65,8 +65,9 @@ struct TensorMaps {
 };
 
 // Which (row block, vocabulary split) a block takes. The `cluster` blocks of a cluster take
-// consecutive row blocks of one split (the last of them may lie past the rows: it loads zeros
-// and writes nothing, but streams its share of the W slabs). Clusters are numbered so that those
+// consecutive row blocks of one split (logit_passes.cu pairs them only when their count is even;
+// with an odd count the last block would lie past the rows, load zeros and write nothing, but
+// still stream its share of the W slabs). Clusters are numbered so that those
 // running together cover `group` consecutive clusters' row blocks and a run of splits: the X rows
 // of a group stay in L2 while its blocks walk the vocabulary, and each W tile is read from memory
 // once per group rather than once per row block.
