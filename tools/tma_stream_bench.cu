@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../csrc/cuda/sm90_ptx.cuh"
+
 #define CHECK(x)                                                                  \
   do {                                                                            \
     cudaError_t e_ = (x);                                                         \
@@ -36,37 +38,7 @@
 constexpr int kRows = 128, kCols = 256;
 constexpr int kN = 8192, kV = 152064, kD = 3584 + 5120;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_loop:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_loop;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int32_t k, int32_t row,
-                                                   uint64_t* bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar)), "h"(mask)
-      : "memory");
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
+using namespace nitrobrew::cuda::hopper;  // smem_addr, mbar_*, tma_load*, cluster_sync
 
 // Grid: row_blocks x splits blocks in the KL pass's order (groups of 8 row blocks), each
 // streaming tiles_per_split tiles of k_slabs slabs of kK columns.
@@ -81,8 +53,8 @@ __global__ void __launch_bounds__(64, 1)
   __shared__ uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(&empty[s])), "r"(kMulticast ? 2 : 1));
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kMulticast ? 2 : 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -99,9 +71,7 @@ __global__ void __launch_bounds__(64, 1)
   if (threadIdx.x == 0) {  // producer
     for (int i = 0, stage = 0, phase = 0; i < total; ++i) {
       mbar_wait(&empty[stage], phase ^ 1);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&full[stage])),
-                   "r"(kStageBytes)
-                   : "memory");
+      mbar_arrive_expect_tx(&full[stage], kStageBytes);
       const int tile = first + i / k_slabs, ks = i % k_slabs;
       uint8_t* dst = smem + stage * kStageBytes;
       tma_load(dst, &x, ks * kK, row_block * kRows, &full[stage]);
@@ -115,12 +85,8 @@ __global__ void __launch_bounds__(64, 1)
     }
   } else if (threadIdx.x == 32) {  // consumer
     auto release = [&](int stage) {
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(&empty[stage])) : "memory");
-      if (kMulticast) {  // the peer's producer writes this stage too
-        uint32_t remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(&empty[stage])), "r"(rank ^ 1));
-        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-      }
+      mbar_arrive(&empty[stage]);
+      if (kMulticast) mbar_arrive_remote(&empty[stage], rank ^ 1);  // the peer's producer writes this stage too
     };
     int previous = -1;
     for (int i = 0, stage = 0, phase = 0; i < total; ++i) {
