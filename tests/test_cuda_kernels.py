@@ -3,6 +3,7 @@ and both against the float64 reference on shapes that exercise their tiling (sev
 blocks, vocabulary tiles, K slabs and block groups, none of them whole)."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -56,6 +57,19 @@ def test_kernel_family_selection(kernel_family, d_s):
         assert hopper == 0 and mma == 3, names
 
 
+@pytest.mark.parametrize("n,cluster", [(200, 2), (300, 1), (400, 2)])
+def test_sm90a_blocks_pair_up_when_row_blocks_do(n, cluster):
+    # An even number of 128-row blocks runs in clusters of 2 that share each W slab; an odd one
+    # unpaired. Both give the same results, so only the launched instantiation tells them apart.
+    if not is_hopper():
+        pytest.skip("the sm_90a kernels run on Hopper only")
+    xs, xt, ws, wt, _ = make_problem(n=n, v=300, d_s=64, d_t=64, dtype=torch.bfloat16, device="cuda")
+    names = [name for name in launched_kernels(lambda: run_loss(xs, xt, ws, wt)) if "hopper_logit_kernel" in name]
+    clusters = [re.search(r"hopper_logit_kernel<.*, (\d+)>\(", name) for name in names]
+    assert len(names) == 3 and all(clusters), names
+    assert [int(c.group(1)) for c in clusters] == [cluster] * 3, names
+
+
 @pytest.mark.parametrize("n", [300, 400])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -85,6 +99,18 @@ def test_tensor_core_kernels_many_row_blocks(kernel_family, n, beta):
     xs, xt, ws, wt, labels = make_problem(n=n, v=700, d_s=72, d_t=48, dtype=torch.bfloat16, device="cuda",
                                           masked=True)
     check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none")
+
+
+@pytest.mark.parametrize("n", [300, 400])
+@pytest.mark.parametrize("beta", BETAS)
+def test_tensor_core_kernels_long_products(kernel_family, n, beta):
+    # K = 620 and 330: 20 and 11 slabs of 32 (the last partial), more than a ring holds, so each
+    # product reuses its stages; ~80 vocabulary tiles over a few splits, so the ring's state carries
+    # across tiles. 300 rows run unpaired on sm_90a, 400 in clusters of 2.
+    xs, xt, ws, wt, labels = make_problem(n=n, v=20011, d_s=330, d_t=620, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.3, softcap_t=20.0,
+                            reduction="none")
 
 
 @pytest.mark.parametrize("temperature", [0.1, 10.0])

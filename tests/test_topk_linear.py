@@ -85,9 +85,10 @@ def test_vocabulary_chunks(normalize, chunk_V, device):
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 20])
+@pytest.mark.parametrize("d", [64, 20, 328])
 def test_dtypes_and_hidden_sizes(normalize, dtype, d, device):
-    # d = 64 takes the sm_90a kernels on Hopper; d = 20 rows are not 16-byte multiples (mma.sync, scalar loads).
+    # d = 64 and 328 take the sm_90a kernels on Hopper (328: 11 K slabs of 32, more than its ring
+    # holds); d = 20 rows are not 16-byte multiples (mma.sync, scalar loads).
     if device == "cuda" and dtype == torch.float64:
         pytest.skip("float64 inputs have CPU kernels only (test_float64_is_an_error_on_cuda)")
     xs, ws, ids, lps, _ = make_problem(lead=(3, 45), v=1100, d=d, k=16, dtype=dtype)

@@ -17,8 +17,8 @@ def main():
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
         # TMA/vectorized loads (several row blocks, tiles and K slabs; 400 rows: sm_90a blocks in
-        # clusters of 2) / element-wise loads
-        [(70, 200, 24, 40), (300, 1000, 200, 136), (400, 1000, 200, 136), (5, 131, 13, 7)],
+        # clusters of 2; K = 330 / 620: products longer than the ring) / element-wise loads
+        [(70, 200, 24, 40), (300, 1000, 200, 136), (400, 1000, 200, 136), (400, 1500, 330, 620), (5, 131, 13, 7)],
         [0.0, 1.0, 0.5],
     )
     for dtype, (n, v, d_s, d_t), beta in cases:

@@ -17,7 +17,7 @@ def main():
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
         # TMA/vectorized loads (several row blocks, tiles, K slabs and backward chunks) / element-wise loads
-        [(70, 1700, 24, 9), (300, 1000, 200, 64), (400, 1000, 200, 64), (5, 131, 13, 3)],
+        [(70, 1700, 24, 9), (300, 1000, 200, 64), (400, 1000, 200, 64), (400, 1500, 328, 64), (5, 131, 13, 3)],
         ["full", "topk"],
     )
     for dtype, (n, v, d, k), normalize in cases:
