@@ -42,7 +42,7 @@ using namespace nitrobrew::cuda::hopper;  // smem_addr, mbar_*, tma_load*, clust
 
 // Grid: row_blocks x splits blocks in the KL pass's order (groups of 8 row blocks), each
 // streaming tiles_per_split tiles of k_slabs slabs of kK columns.
-template <int kK, int kSmemRing, bool kMulticast, int kHold>
+template <int kK, int kSmemRing, int kCluster, int kHold>
 __global__ void __launch_bounds__(64, 1)
     stream_kernel(const __grid_constant__ CUtensorMap x, const __grid_constant__ CUtensorMap w, int row_blocks,
                   int splits, int tiles_per_split, int vocab_tiles, int k_slabs) {
@@ -54,18 +54,18 @@ __global__ void __launch_bounds__(64, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kMulticast ? 2 : 1);
+      mbar_init(&empty[s], kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster_sync();
-  // With kMulticast, blocks 2c and 2c + 1 form a cluster: two row blocks of one split, each
-  // loading its own X slab and half of the shared W slab for both.
-  const int unit = kMulticast ? blockIdx.x / 2 : blockIdx.x, rank = kMulticast ? blockIdx.x % 2 : 0;
-  const int units = kMulticast ? row_blocks / 2 : row_blocks, group = kMulticast ? 4 : 8, per_group = group * splits;
+  // With kCluster > 1, blocks kCluster * c + r form a cluster: kCluster row blocks of one split,
+  // each loading its own X slab and its share of the W slab for all of them.
+  const int unit = blockIdx.x / kCluster, rank = blockIdx.x % kCluster;
+  const int units = row_blocks / kCluster, group = 8 / kCluster, per_group = group * splits;
   const int g = unit / per_group, r = unit % per_group;
   const int rows_here = min(group, units - g * group);
-  const int row_block = (g * group + r % rows_here) * (kMulticast ? 2 : 1) + rank, split = r / rows_here;
+  const int row_block = (g * group + r % rows_here) * kCluster + rank, split = r / rows_here;
   const int first = split * tiles_per_split, last = min(vocab_tiles, first + tiles_per_split);
   const int total = (last - first) * k_slabs;
   if (threadIdx.x == 0) {  // producer
@@ -75,9 +75,9 @@ __global__ void __launch_bounds__(64, 1)
       const int tile = first + i / k_slabs, ks = i % k_slabs;
       uint8_t* dst = smem + stage * kStageBytes;
       tma_load(dst, &x, ks * kK, row_block * kRows, &full[stage]);
-      if (kMulticast) {
-        tma_load_multicast(dst + kRows * kK * 2 + rank * (kCols / 2) * kK * 2, &w, ks * kK,
-                           tile * kCols + rank * (kCols / 2), &full[stage], 3);
+      if (kCluster > 1) {
+        tma_load_multicast(dst + kRows * kK * 2 + rank * (kCols / kCluster) * kK * 2, &w, ks * kK,
+                           tile * kCols + rank * (kCols / kCluster), &full[stage], (1 << kCluster) - 1);
       } else {
         tma_load(dst + kRows * kK * 2, &w, ks * kK, tile * kCols, &full[stage]);
       }
@@ -86,7 +86,9 @@ __global__ void __launch_bounds__(64, 1)
   } else if (threadIdx.x == 32) {  // consumer
     auto release = [&](int stage) {
       mbar_arrive(&empty[stage]);
-      if (kMulticast) mbar_arrive_remote(&empty[stage], rank ^ 1);  // the peer's producer writes this stage too
+      for (int peer = 0; peer < kCluster; ++peer) {  // the peers' producers write this stage too
+        if (peer != rank) mbar_arrive_remote(&empty[stage], peer);
+      }
     };
     int previous = -1;
     for (int i = 0, stage = 0, phase = 0; i < total; ++i) {
@@ -130,31 +132,31 @@ CUtensorMap make_map(void* base, uint64_t rows, uint32_t box_rows, uint32_t box_
   return map;
 }
 
-template <int kK, int kSmemRing, bool kMulticast, int kHold = 0>
+template <int kK, int kSmemRing, int kCluster, int kHold = 0>
 void run(void* x, void* w, int repeats, CUtensorMapSwizzle swizzle, const char* name) {
   const CUtensorMap xm = make_map(x, kN, kRows, kK, swizzle),
-                    wm = make_map(w, kV, kMulticast ? kCols / 2 : kCols, kK, swizzle);
+                    wm = make_map(w, kV, kCols / kCluster, kK, swizzle);
   const int row_blocks = kN / kRows, vocab_tiles = (kV + kCols - 1) / kCols, splits = 33;
   const int tiles_per_split = (vocab_tiles + splits - 1) / splits, k_slabs = kD / kK;
   const int smem = kSmemRing + 1024;
-  CHECK(cudaFuncSetAttribute(stream_kernel<kK, kSmemRing, kMulticast, kHold>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(stream_kernel<kK, kSmemRing, kCluster, kHold>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(row_blocks * splits);
+  config.blockDim = dim3(64);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
   std::vector<float> ms;
   for (int i = 0; i <= repeats; ++i) {
     CHECK(cudaEventRecord(a));
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(row_blocks * splits);
-    config.blockDim = dim3(64);
-    config.dynamicSmemBytes = smem;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kMulticast ? 2 : 1;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&config, stream_kernel<kK, kSmemRing, kMulticast, kHold>, xm, wm, row_blocks, splits,
+    CHECK(cudaLaunchKernelEx(&config, stream_kernel<kK, kSmemRing, kCluster, kHold>, xm, wm, row_blocks, splits,
                              tiles_per_split, vocab_tiles, k_slabs));
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
@@ -166,7 +168,9 @@ void run(void* x, void* w, int repeats, CUtensorMapSwizzle swizzle, const char* 
   std::sort(ms.begin(), ms.end());
   const double bytes = double(row_blocks) * vocab_tiles * (kRows + kCols) * double(kD) * 2;
   const double med = ms[ms.size() / 2];
-  std::printf("%s,%s,%d,%d,%d,%d,%.3f,%.0f\n", name, kMulticast ? "2-block W multicast" : "none", kHold, kK, kSmemRing / ((kRows + kCols) * kK * 2), kSmemRing / 1024, med,
+  int active_clusters = 0;
+  CHECK(cudaOccupancyMaxActiveClusters(&active_clusters, stream_kernel<kK, kSmemRing, kCluster, kHold>, &config));
+  std::printf("%s,%d,%d,%d,%d,%d,%d,%.3f,%.0f\n", name, kCluster, active_clusters * kCluster, kHold, kK, kSmemRing / ((kRows + kCols) * kK * 2), kSmemRing / 1024, med,
               bytes / med / 1e6);
 }
 
@@ -177,24 +181,25 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&w, size_t(kV) * kD * 2));
   CHECK(cudaMemset(x, 0, size_t(kN) * kD * 2));
   CHECK(cudaMemset(w, 0, size_t(kV) * kD * 2));
-  std::printf("rows,cluster,hold_clocks,slab_cols,stages,ring_kib,median_ms,GB_per_s\n");
+  std::printf("rows,cluster,co_resident_blocks,hold_clocks,slab_cols,stages,ring_kib,median_ms,GB_per_s\n");
   // The kernel's ring (4 x 24 KB, the rest of shared memory holds the parked student tile), and
   // the 192 KB ring of a kernel without a parked tile, for both row widths.
-  run<32, 96 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<64, 96 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
-  run<32, 192 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<64, 192 * 1024, false>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
-  // Pairs of row blocks sharing each W slab: each block draws 2/3 of the bytes from L2.
-  run<32, 96 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<64, 96 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
-  run<64, 192 * 1024, true>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<32, 96 * 1024, 1>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, 1>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<32, 192 * 1024, 1>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 192 * 1024, 1>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  // Clusters of row blocks sharing each W slab: each block loads its X slab and its share of W.
+  run<32, 96 * 1024, 2>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 96 * 1024, 4>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, 2>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 96 * 1024, 4>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 192 * 1024, 2>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
   // Consumers that hold each slab for its multiplication time at the tensor cores' peak.
-  run<32, 96 * 1024, false, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<32, 96 * 1024, true, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<32, 192 * 1024, false, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<32, 192 * 1024, true, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
-  run<64, 96 * 1024, true, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
-  run<64, 192 * 1024, false, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
-  run<64, 192 * 1024, true, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<32, 96 * 1024, 1, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 96 * 1024, 2, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 96 * 1024, 4, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<32, 192 * 1024, 2, 490>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_64B, "64-byte rows");
+  run<64, 96 * 1024, 2, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
+  run<64, 192 * 1024, 2, 980>(x, w, repeats, CU_TENSOR_MAP_SWIZZLE_128B, "128-byte rows");
   return 0;
 }
