@@ -1,7 +1,8 @@
 """Attention-distribution KL on CUDA (bfloat16 / float16 on tensor cores): values and gradients
-against the float64 reference for every option, on lengths that divide no 64-row tile, with the
-default (atomic dq) and the deterministic backward; reproducibility, the float16 gradient range,
-the chunked dq buffer, torch.compile and errors."""
+against the float64 reference for every option, on lengths that divide no tile, with the
+backward the device runs (on Hopper the TMA + wgmma dq and dk kernels; elsewhere, and with
+NITROBREW_FORCE_SM80=1, the mma.sync ones: atomic dq by default, or deterministic);
+reproducibility, the float16 gradient range, the chunked dq buffer, torch.compile and errors."""
 
 import itertools
 
@@ -38,6 +39,39 @@ def test_forward_kernel_family(monkeypatch, forced_sm80):
         assert hopper == 1 and mma == 0, names
     else:
         assert hopper == 0 and mma == 1, names
+
+
+@pytest.mark.parametrize("forced_sm80", [False, True])
+@pytest.mark.parametrize("d_s,d_t", [(128, 64), (256, 64)])
+def test_backward_kernel_family(monkeypatch, forced_sm80, d_s, d_t):
+    # Hopper with the sm_90a build runs the TMA + wgmma backward (a dq and a dk kernel) for head
+    # dims up to 128; larger ones, other GPUs and NITROBREW_FORCE_SM80=1 the mma.sync kernels.
+    if forced_sm80:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    q_s, k_s, q_t, k_t, _ = cuda_attention(d_s=d_s, d_t=d_t)
+    q_s.requires_grad_()
+    loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
+    names = launched_kernels(lambda: loss.backward())
+    hopper = sum("attention_kl_bwd_hopper_kernel" in n for n in names)
+    mma = sum("attention_kl_dk_kernel" in n or "attention_kl_dq_kernel" in n for n in names)
+    if torch.cuda.get_device_capability() == (9, 0) and not forced_sm80 and d_s <= 128:
+        assert hopper == 2 and mma == 0, names
+    else:
+        assert hopper == 0 and mma >= 1, names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa,d_s,d_t", [("student", 128, 64), ("both", 64, 128), ("teacher", 72, 120)])
+def test_long_sequences(causal, gqa, d_s, d_t):
+    # Many 64-wide column tiles per block (the stage ring wraps several times), 128-row blocks
+    # that divide neither length, head dims that are not multiples of the 32-wide slabs; with
+    # "student" GQA the teacher's key head changes inside a dk block's query heads.
+    q_s, k_s, q_t, k_t, mask = cuda_attention(b=2, n_q=651, n_k=583, heads=4, gqa=gqa, d_s=d_s, d_t=d_t,
+                                              masked=True)
+    check_attention(q_s, k_s, q_t, k_t, kind="forward", causal=causal, attention_mask=mask, reduction="none")
+    check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=causal, attention_mask=mask, reduction="mean")
 
 
 def cuda_attention(**kwargs):
@@ -148,7 +182,9 @@ def test_deterministic_gradients_are_bitwise_reproducible():
 def test_dq_buffer_in_chunks(monkeypatch):
     # The atomic backward accumulates dq in float32 a chunk of (batches x key heads) at a time;
     # a tiny budget forces one key head per chunk.
+    # (The mma.sync kernels' path: Hopper's wgmma backward has no dq buffer.)
     q_s, k_s, q_t, k_t, mask = cuda_attention(b=3, n_q=100, n_k=90, heads=4, gqa="student", masked=True)
+    monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
     monkeypatch.setenv("NITROBREW_DQ_ACCUM_BYTES", "1")
     check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask, reduction="none")
 

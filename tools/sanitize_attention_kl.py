@@ -1,5 +1,7 @@
-"""Runs every CUDA kernel of the attention KL (forward; dk with atomic dq, also chunked; dq and dk
-of the deterministic backward) once on small, awkward problems, for compute-sanitizer:
+"""Runs every CUDA kernel of the attention KL once on small, awkward problems, for compute-sanitizer:
+on Hopper the TMA + wgmma forward and backward (head dims up to 128) and the mma.sync kernels for
+larger head dims; with NITROBREW_FORCE_SM80=1 the mma.sync forward, dk with atomic dq (also
+chunked), and dq and dk of the deterministic backward:
 
     compute-sanitizer --tool memcheck python tools/sanitize_attention_kl.py
 """
@@ -18,7 +20,9 @@ def main():
     cases = itertools.product(
         [torch.bfloat16, torch.float16],
         # (B, N_q, N_k, H, H_ks, H_kt, D_s, D_t): partial tiles, GQA on each side, padded head dims
-        [(2, 70, 45, 4, 2, 1, 24, 40), (1, 130, 200, 2, 2, 2, 128, 64), (1, 33, 90, 2, 1, 2, 200, 13)],
+        # (the last: the teacher's key head changes within a student key head's query heads)
+        [(2, 70, 45, 4, 2, 1, 24, 40), (1, 130, 200, 2, 2, 2, 128, 64), (1, 33, 90, 2, 1, 2, 200, 13),
+         (1, 300, 260, 4, 1, 4, 64, 72)],
         [False, True],  # causal
         [False, True],  # deterministic
     )

@@ -50,16 +50,6 @@ __device__ __forceinline__ void add_pair(float* dst, float lo, float hi) {
 #endif
 }
 
-// The backward's per-row data of query i (zeros past the last query, so its dS is 0).
-template <typename T>
-__device__ __forceinline__ GradRow load_grad_row(const AttentionArgs<T>& a, int64_t bh, int i, float grad_scale) {
-  if (i >= a.n_q) return GradRow{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const int64_t row = bh * a.n_q + i;
-  const float* st = a.grad_stats + row * kNumAttentionRowStats;
-  return GradRow{st[kMaxS], st[kLogSumS], st[kMaxT], st[kLogSumT], st[kGradCenter],
-                 a.grad_loss[row] * a.c_s * grad_scale};
-}
-
 // ---------------------------------------------------------------- dq (deterministic) -----
 template <typename T, int kDs, int kDt>
 __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const AttentionArgs<T> a) {

@@ -34,6 +34,10 @@ struct AttentionArgs {
   const float* grad_loss;  // [B, H, N_q]
   const float* grad_max;   // float16 only: max |grad_loss|, to scale dS into float16's range
   const float* grad_stats;  // the forward's row_stats [B, H, N_q, 5]
+  // The Hopper backward's per-query data, [B * H, grad_rows_per_head, 6]: a GradRow per query
+  // (the row stats and grad_loss * c_s), zero past N_q up to a multiple of 64 queries.
+  const float* grad_rows;
+  int64_t grad_rows_per_head;
   T* dq;                    // [B, N_q, H, D_s] (the deterministic dq kernel)
   T* dk;                    // [B, N_k, H_ks, D_s]
   // The dk kernel's grid covers batches [chunk_b0, + chunk_batches) and student key heads
@@ -66,6 +70,14 @@ void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream)
 template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
+
+// Backward on Hopper with the sm_90a kernels (attention_kl_hopper_bwd.cu): a dq kernel and a dk
+// kernel, each the only writer of its gradient (no atomics; bitwise reproducible), for head dims
+// up to 128 (attention_kl_backward_hopper_supports). Inputs as for the forward's Hopper kernel.
+bool attention_kl_backward_hopper_supports(int64_t d_s, int64_t d_t);
+template <typename T>
+void launch_attention_kl_backward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
+                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 
 // Backward: fills a.dk and dq (a.dq points into it), with atomics into float32 chunks of dq, or
 // with the deterministic dq kernel.

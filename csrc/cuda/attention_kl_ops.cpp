@@ -145,14 +145,33 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   at::Tensor dq = at::empty(in.q_s.sizes(), in.q_s.options());
   at::Tensor dk = at::empty(in.k_s.sizes(), in.k_s.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  // Hopper with the sm_90a build: the TMA + wgmma kernels (deterministic whatever `deterministic`
+  // says) for head dims up to 128; elsewhere the mma.sync kernels.
+  const bool hopper = use_sm90a_kernels() && attention_kl_backward_hopper_supports(in.q_s.size(3), in.q_t.size(3));
+  at::Tensor grad_rows;  // the Hopper dk kernel copies 64 queries' GradRows at a time
+  if (hopper) {
+    const int64_t per_head = (p.n_queries + 63) / 64 * 64;
+    grad_rows = at::zeros({p.batch * p.heads, per_head, 6}, grad.options());
+    at::Tensor rows = grad_rows.narrow(1, 0, p.n_queries);
+    rows.narrow(2, 0, 5).copy_(stats.view({p.batch * p.heads, p.n_queries, kNumAttentionRowStats}));
+    rows.select(2, 5).copy_(grad.view({p.batch * p.heads, p.n_queries}) * (p.scale_s * p.inv_temperature));
+  }
   auto fill = [&](auto a) {
+    if (hopper) {
+      a.grad_rows = grad_rows.data_ptr<float>();
+      a.grad_rows_per_head = grad_rows.size(1);
+    }
     a.grad_loss = grad.data_ptr<float>();
     a.grad_stats = stats.data_ptr<float>();
     a.grad_max = grad_max.defined() ? grad_max.data_ptr<float>() : nullptr;
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(a.dq)>>;
     a.dq = reinterpret_cast<T*>(dq.data_ptr());
     a.dk = reinterpret_cast<T*>(dk.data_ptr());
-    launch_attention_kl_backward(a, p, dq, deterministic, stream);
+    if (hopper) {
+      launch_attention_kl_backward_hopper(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
+    } else {
+      launch_attention_kl_backward(a, p, dq, deterministic, stream);
+    }
   };
   if (q_s.scalar_type() == at::kBFloat16) {
     fill(in.args<__nv_bfloat16>(p, 0));

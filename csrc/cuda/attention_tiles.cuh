@@ -267,6 +267,16 @@ __device__ __forceinline__ float attention_grad(float s, float t, const GradRow&
   return p - __expf((t - r.max_t) - r.log_sum_t);
 }
 
+// The backward's per-row data of query i (zeros past the last query, so its dS is 0).
+template <typename T>
+__device__ __forceinline__ GradRow load_grad_row(const AttentionArgs<T>& a, int64_t bh, int i, float grad_scale) {
+  if (i >= a.n_q) return GradRow{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int64_t row = bh * a.n_q + i;
+  const float* st = a.grad_stats + row * kNumAttentionRowStats;
+  return GradRow{st[kMaxS], st[kLogSumS], st[kMaxT], st[kLogSumT], st[kGradCenter],
+                 a.grad_loss[row] * a.c_s * grad_scale};
+}
+
 // 2^e with e chosen so that max|grad_loss| * |c_s| * 2^e lies in (32, 64]: dS is rounded to
 // float16 for the tensor cores, and the upstream gradient of a mean over ~1e6 rows times
 // probabilities ~1e-5 would otherwise fall below float16's smallest normal. bfloat16 has
