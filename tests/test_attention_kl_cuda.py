@@ -74,6 +74,19 @@ def test_long_sequences(causal, gqa, d_s, d_t):
     check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=causal, attention_mask=mask, reduction="mean")
 
 
+@pytest.mark.parametrize("n_q", [50, 130])
+def test_teacher_key_head_changes_at_every_query_head(n_q):
+    # One student key head for 8 query heads, a teacher key head per query head: a dk block of the
+    # Hopper backward reloads the teacher's keys 7 times, at every tile when N_q <= 64 (one query
+    # tile per head), every third tile when N_q = 130; the barrier phases alternate each time.
+    g = torch.Generator().manual_seed(3)
+    q_s, k_s = torch.randn(2, n_q, 8, 64, generator=g), torch.randn(2, 97, 1, 64, generator=g)
+    q_t, k_t = torch.randn(2, n_q, 8, 48, generator=g), torch.randn(2, 97, 8, 48, generator=g)
+    q_s, k_s, q_t, k_t = (x.to("cuda", torch.bfloat16) for x in (q_s, k_s, q_t, k_t))
+    for causal in (False, True):
+        check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=causal, reduction="none")
+
+
 def cuda_attention(**kwargs):
     kwargs.setdefault("dtype", torch.bfloat16)
     return make_attention(device="cuda", **kwargs)

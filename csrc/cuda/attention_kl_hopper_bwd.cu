@@ -273,7 +273,11 @@ __global__ void __launch_bounds__(kThreadCount, 1)
         ds[j / 2][2 * (j % 2) + 1] = pack2<T>(v[2], v[3]);
       }
 
-      // 3. grad += dS . C_s, the student's column tile read [64 columns][head dim].
+      // 3. grad += dS . C_s, the student's column tile read [64 columns][head dim]. For a head dim
+      // under kDs the product also reads slabs no copy wrote: they only reach output columns past
+      // the head dim, which are never stored. The tile's rows past the batch's last column (the
+      // next batch's rows, read by the 3-D boxes) meet dS = 0 there: finite inputs add nothing
+      // (an infinite input in the next batch would make this one's gradient NaN).
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
 #pragma unroll

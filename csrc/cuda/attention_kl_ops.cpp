@@ -1,6 +1,7 @@
 // The attention-KL ops on CUDA: input checks, the layout the kernels read, output allocation, and
-// the choice of forward kernel; the kernels and their launchers are in attention_kl_hopper.cu
-// (sm_90a forward), attention_kl_fwd.cu (mma.sync forward) and attention_kl_bwd.cu.
+// the choice of kernels; the kernels and their launchers are in attention_kl_hopper.cu (sm_90a
+// forward), attention_kl_fwd.cu (mma.sync forward), attention_kl_hopper_bwd.cu (sm_90a backward)
+// and attention_kl_bwd.cu (mma.sync backward).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

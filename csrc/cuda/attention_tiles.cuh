@@ -1,4 +1,5 @@
-// Device pieces shared by the attention-KL kernels (attention_kl_fwd.cu, attention_kl_bwd.cu).
+// Device pieces shared by the attention-KL kernels (attention_kl_fwd.cu, attention_kl_bwd.cu; the
+// sm_90a ones, attention_kl_hopper.cu and attention_kl_hopper_bwd.cu, use the per-row math).
 //
 // A block of 4 warps owns kBlockRows rows (queries in the forward and the dq kernel, keys in
 // the dk kernel) and walks tiles of kBlockCols columns (keys, resp. queries). Each warp owns

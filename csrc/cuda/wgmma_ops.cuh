@@ -3,7 +3,7 @@
 //   wgmma_ss<T, 8>:  d (+)= A . B^T, 64 x 64, both operands K-major in shared memory (descriptors);
 //   wgmma_rs<T, kN>: d (+)= A . B,   64 x 8kN, A in registers (a 64 x 16 slice in the m16n8k16 A
 //                    layout per warp), B in shared memory as [K rows][N contiguous] (MN-major:
-//                    the descriptor's transpose bit is set).
+//                    the instruction's transpose-B operand is 1).
 // The accumulator registers are TileAcc's v[j][e] in order (the m64nN fragment layout).
 #pragma once
 
