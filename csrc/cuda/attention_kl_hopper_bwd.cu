@@ -65,7 +65,6 @@ struct BackwardBlock {
   int rows_valid;  // rows < n
   int items;       // column tiles
   int first_tile, per_head, group;  // dk: query tiles [first_tile, + per_head) of each query head
-  int key_end;                      // dq: keys the block's queries see
 
   __device__ BackwardBlock(const AttentionArgs<T>& a) {
     if constexpr (!kKeyRows) {
@@ -75,7 +74,7 @@ struct BackwardBlock {
       b = bh / a.heads;
       head = static_cast<int>(bh % a.heads);
       rows_valid = min(kRows, a.n_q - row0);
-      key_end = min(a.n_k, a.last_key(row0 + rows_valid - 1) + 1);
+      const int key_end = min(a.n_k, a.last_key(row0 + rows_valid - 1) + 1);  // keys the rows see
       items = key_end > 0 ? (key_end + kCols - 1) / kCols : 0;
     } else {
       const int64_t pairs = a.batch * a.key_heads_s;
