@@ -111,8 +111,26 @@ __device__ __forceinline__ void fence_acc(TileAcc<kN>& d) {
   }
 }
 
-// d (+)= A . B^T for a 64 x 16 slice of A and a 128 x 16 slice of B; scale_d = 0 overwrites d
-// (the first product of a tile: zeroing d with ordinary instructions would serialize wgmma).
+// Pieces of the wgmma asm statements (here and in wgmma_ops.cuh): the accumulator's "+f"
+// operands, 4 per n-tile of 8 columns (TileAcc's v[j][e] in order), and their register names.
+#define NITROBREW_ACC_TILE(d, j) "+f"(d.v[j][0]), "+f"(d.v[j][1]), "+f"(d.v[j][2]), "+f"(d.v[j][3])
+#define NITROBREW_ACC_0_7(d) \
+  NITROBREW_ACC_TILE(d, 0), NITROBREW_ACC_TILE(d, 1), NITROBREW_ACC_TILE(d, 2), NITROBREW_ACC_TILE(d, 3), \
+      NITROBREW_ACC_TILE(d, 4), NITROBREW_ACC_TILE(d, 5), NITROBREW_ACC_TILE(d, 6), NITROBREW_ACC_TILE(d, 7)
+#define NITROBREW_ACC_8_15(d) \
+  NITROBREW_ACC_TILE(d, 8), NITROBREW_ACC_TILE(d, 9), NITROBREW_ACC_TILE(d, 10), NITROBREW_ACC_TILE(d, 11), \
+      NITROBREW_ACC_TILE(d, 12), NITROBREW_ACC_TILE(d, 13), NITROBREW_ACC_TILE(d, 14), NITROBREW_ACC_TILE(d, 15)
+#define NITROBREW_ACC_16_31(d) \
+  NITROBREW_ACC_TILE(d, 16), NITROBREW_ACC_TILE(d, 17), NITROBREW_ACC_TILE(d, 18), NITROBREW_ACC_TILE(d, 19), \
+      NITROBREW_ACC_TILE(d, 20), NITROBREW_ACC_TILE(d, 21), NITROBREW_ACC_TILE(d, 22), NITROBREW_ACC_TILE(d, 23), \
+      NITROBREW_ACC_TILE(d, 24), NITROBREW_ACC_TILE(d, 25), NITROBREW_ACC_TILE(d, 26), NITROBREW_ACC_TILE(d, 27), \
+      NITROBREW_ACC_TILE(d, 28), NITROBREW_ACC_TILE(d, 29), NITROBREW_ACC_TILE(d, 30), NITROBREW_ACC_TILE(d, 31)
+#define NITROBREW_REGS_0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define NITROBREW_REGS_32_63 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define NITROBREW_REGS_64_127 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
 // d (+)= A . B^T for a 64 x 16 slice of A and a kCols x 16 slice of B; scale_d = 0 overwrites
 // d (the first product of a tile: zeroing d with ordinary instructions would serialize wgmma).
 // TYPE is the PTX type of A and B.
@@ -120,41 +138,9 @@ __device__ __forceinline__ void fence_acc(TileAcc<kN>& d) {
   asm volatile( \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, " \
+      "{" NITROBREW_REGS_0_31 ", " NITROBREW_REGS_32_63 ", " NITROBREW_REGS_64_127 "}, " \
       "%128, %129, p, 1, 1, 0, 0;\n}\n" \
-      : \
-        "+f"(d.v[0][0]), "+f"(d.v[0][1]), "+f"(d.v[0][2]), "+f"(d.v[0][3]), \
-        "+f"(d.v[1][0]), "+f"(d.v[1][1]), "+f"(d.v[1][2]), "+f"(d.v[1][3]), \
-        "+f"(d.v[2][0]), "+f"(d.v[2][1]), "+f"(d.v[2][2]), "+f"(d.v[2][3]), \
-        "+f"(d.v[3][0]), "+f"(d.v[3][1]), "+f"(d.v[3][2]), "+f"(d.v[3][3]), \
-        "+f"(d.v[4][0]), "+f"(d.v[4][1]), "+f"(d.v[4][2]), "+f"(d.v[4][3]), \
-        "+f"(d.v[5][0]), "+f"(d.v[5][1]), "+f"(d.v[5][2]), "+f"(d.v[5][3]), \
-        "+f"(d.v[6][0]), "+f"(d.v[6][1]), "+f"(d.v[6][2]), "+f"(d.v[6][3]), \
-        "+f"(d.v[7][0]), "+f"(d.v[7][1]), "+f"(d.v[7][2]), "+f"(d.v[7][3]), \
-        "+f"(d.v[8][0]), "+f"(d.v[8][1]), "+f"(d.v[8][2]), "+f"(d.v[8][3]), \
-        "+f"(d.v[9][0]), "+f"(d.v[9][1]), "+f"(d.v[9][2]), "+f"(d.v[9][3]), \
-        "+f"(d.v[10][0]), "+f"(d.v[10][1]), "+f"(d.v[10][2]), "+f"(d.v[10][3]), \
-        "+f"(d.v[11][0]), "+f"(d.v[11][1]), "+f"(d.v[11][2]), "+f"(d.v[11][3]), \
-        "+f"(d.v[12][0]), "+f"(d.v[12][1]), "+f"(d.v[12][2]), "+f"(d.v[12][3]), \
-        "+f"(d.v[13][0]), "+f"(d.v[13][1]), "+f"(d.v[13][2]), "+f"(d.v[13][3]), \
-        "+f"(d.v[14][0]), "+f"(d.v[14][1]), "+f"(d.v[14][2]), "+f"(d.v[14][3]), \
-        "+f"(d.v[15][0]), "+f"(d.v[15][1]), "+f"(d.v[15][2]), "+f"(d.v[15][3]), \
-        "+f"(d.v[16][0]), "+f"(d.v[16][1]), "+f"(d.v[16][2]), "+f"(d.v[16][3]), \
-        "+f"(d.v[17][0]), "+f"(d.v[17][1]), "+f"(d.v[17][2]), "+f"(d.v[17][3]), \
-        "+f"(d.v[18][0]), "+f"(d.v[18][1]), "+f"(d.v[18][2]), "+f"(d.v[18][3]), \
-        "+f"(d.v[19][0]), "+f"(d.v[19][1]), "+f"(d.v[19][2]), "+f"(d.v[19][3]), \
-        "+f"(d.v[20][0]), "+f"(d.v[20][1]), "+f"(d.v[20][2]), "+f"(d.v[20][3]), \
-        "+f"(d.v[21][0]), "+f"(d.v[21][1]), "+f"(d.v[21][2]), "+f"(d.v[21][3]), \
-        "+f"(d.v[22][0]), "+f"(d.v[22][1]), "+f"(d.v[22][2]), "+f"(d.v[22][3]), \
-        "+f"(d.v[23][0]), "+f"(d.v[23][1]), "+f"(d.v[23][2]), "+f"(d.v[23][3]), \
-        "+f"(d.v[24][0]), "+f"(d.v[24][1]), "+f"(d.v[24][2]), "+f"(d.v[24][3]), \
-        "+f"(d.v[25][0]), "+f"(d.v[25][1]), "+f"(d.v[25][2]), "+f"(d.v[25][3]), \
-        "+f"(d.v[26][0]), "+f"(d.v[26][1]), "+f"(d.v[26][2]), "+f"(d.v[26][3]), \
-        "+f"(d.v[27][0]), "+f"(d.v[27][1]), "+f"(d.v[27][2]), "+f"(d.v[27][3]), \
-        "+f"(d.v[28][0]), "+f"(d.v[28][1]), "+f"(d.v[28][2]), "+f"(d.v[28][3]), \
-        "+f"(d.v[29][0]), "+f"(d.v[29][1]), "+f"(d.v[29][2]), "+f"(d.v[29][3]), \
-        "+f"(d.v[30][0]), "+f"(d.v[30][1]), "+f"(d.v[30][2]), "+f"(d.v[30][3]), \
-        "+f"(d.v[31][0]), "+f"(d.v[31][1]), "+f"(d.v[31][2]), "+f"(d.v[31][3]) \
+      : NITROBREW_ACC_0_7(d), NITROBREW_ACC_8_15(d), NITROBREW_ACC_16_31(d) \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 
 template <typename T>
