@@ -87,6 +87,35 @@ def test_teacher_key_head_changes_at_every_query_head(n_q):
         check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=causal, reduction="none")
 
 
+@pytest.mark.parametrize("forced_sm80", [False, True])
+def test_another_batchs_non_finite_inputs_stay_out(monkeypatch, forced_sm80):
+    # Tiles that run past a batch's last query or key must read zeros, not the next batch's rows:
+    # an infinite entry there would meet dS = 0 in the gradient product and give NaN. Batch 0's
+    # loss and gradients must be bitwise those of batch 0 alone.
+    if forced_sm80:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    q_s, k_s, q_t, k_t, _ = cuda_attention(b=2, n_q=70, n_k=45, heads=2, d_s=64, d_t=32)
+    for x in (q_s, k_s, q_t, k_t):
+        x[1, :8] = float("inf")
+
+    def batch0(q_s, k_s, q_t, k_t):
+        q_s, k_s = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+        # (deterministic: the mma.sync path's atomic dq would differ in its last bits)
+        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, reduction="none", deterministic=True)
+        upstream = torch.zeros_like(loss)
+        upstream[0] = 1.0
+        dq, dk = torch.autograd.grad(loss, (q_s, k_s), upstream)
+        return loss[0], dq[0], dk[0]
+
+    alone = batch0(*(x[:1] for x in (q_s, k_s, q_t, k_t)))
+    both = batch0(q_s, k_s, q_t, k_t)
+    assert all(torch.isfinite(x).all() for x in alone)
+    for x, y in zip(both, alone):
+        assert torch.equal(x, y)
+
+
 def cuda_attention(**kwargs):
     kwargs.setdefault("dtype", torch.bfloat16)
     return make_attention(device="cuda", **kwargs)

@@ -2,7 +2,7 @@
 // (hopper_gemm.cuh) with queries in the role of the hidden states and keys in the role of the
 // vocabulary. A block owns 128 query rows of one head: thread 0 of a producer warpgroup streams
 // 32-wide head-dim slabs of the query tile and of 256-key tiles of both models into the stage
-// ring (3-D TMA boxes straight from the [B, N, H, D] tensors); each of two consumer warpgroups
+// ring (4-D TMA boxes straight from the [B, N, H, D] tensors); each of two consumer warpgroups
 // multiplies
 // its 64 rows with wgmma.m64n256k16, parks the student's scores in shared memory while the
 // teacher's occupy the registers, and folds both into the rows' one-pass KL states
@@ -30,7 +30,7 @@ struct AttentionLoader {
   uint8_t* smem;
   uint64_t* full;
   uint64_t* empty;
-  int32_t query_row, key_row;  // b * N_q + i0 and b * N_k: rows of the (D, H, B * N) maps
+  int32_t batch, query_row;  // the block's batch and first query
   int32_t head, key_head_s, key_head_t;
   int tile, last;
   int k_slabs_s, k_slabs_t;
@@ -43,9 +43,9 @@ struct AttentionLoader {
     uint8_t* stage = smem + slot.stage * hopper::kStageBytes;
     hopper::mbar_arrive_expect_tx(&full[slot.stage], hopper::kStageBytes);
     const int32_t k = ks * hopper::kK;
-    hopper::tma_load_3d(stage, teacher ? &maps->q_t : &maps->q_s, k, head, query_row, &full[slot.stage]);
-    hopper::tma_load_3d(stage + hopper::kXSlabBytes, teacher ? &maps->k_t : &maps->k_s, k,
-                        teacher ? key_head_t : key_head_s, key_row + tile * hopper::kCols, &full[slot.stage]);
+    hopper::tma_load_4d(stage, teacher ? &maps->q_t : &maps->q_s, k, head, query_row, batch, &full[slot.stage]);
+    hopper::tma_load_4d(stage + hopper::kXSlabBytes, teacher ? &maps->k_t : &maps->k_s, k,
+                        teacher ? key_head_t : key_head_s, tile * hopper::kCols, batch, &full[slot.stage]);
     slot.advance();
     if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
       ks = 0;
@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(hopper::kThreads, 1)
                              smem,
                              full,
                              empty,
-                             static_cast<int32_t>(b * a.n_q + i0),
-                             static_cast<int32_t>(b * a.n_k),
+                             static_cast<int32_t>(b),
+                             i0,
                              h,
                              a.key_head_s(h),
                              a.key_head_t(h),

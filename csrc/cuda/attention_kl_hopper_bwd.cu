@@ -140,10 +140,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     if (blk.items == 0) return;
     if (threadIdx.x == 0) {
       // Rows: dq, the queries of (b, head); dk, the keys of (b, key head).
-      const int32_t row = static_cast<int32_t>(blk.b * n_rows + blk.row0);
+      const int32_t batch = static_cast<int32_t>(blk.b);
       mbar_arrive_expect_tx(rows_s_full, slabs_s * kRowSlabBytes);
       for (int ks = 0; ks < slabs_s; ++ks) {
-        tma_load_3d(rows_s + ks * kRowSlabBytes, &maps.rows_s, ks * kK, blk.head, row, rows_s_full);
+        tma_load_4d(rows_s + ks * kRowSlabBytes, &maps.rows_s, ks * kK, blk.head, blk.row0, batch, rows_s_full);
       }
       int loaded_t = -1, reloads = 0;
       RingSlot slot;
@@ -153,17 +153,18 @@ __global__ void __launch_bounds__(kThreadCount, 1)
           if (loaded_t >= 0) mbar_wait(rows_t_empty, (reloads++) & 1);
           mbar_arrive_expect_tx(rows_t_full, slabs_t * kRowSlabBytes);
           for (int ks = 0; ks < slabs_t; ++ks) {
-            tma_load_3d(rows_t + ks * kRowSlabBytes, &maps.rows_t, ks * kK, teacher_head, row, rows_t_full);
+            tma_load_4d(rows_t + ks * kRowSlabBytes, &maps.rows_t, ks * kK, teacher_head, blk.row0, batch,
+                        rows_t_full);
           }
           loaded_t = teacher_head;
         }
         // Columns: dq, key tile `it` of the query head's key heads; dk, the item's query tile.
         int col_row, head_s, head_t;
         if constexpr (kKeyRows) {
-          col_row = static_cast<int>(blk.b * a.n_q + blk.query0(it));
+          col_row = blk.query0(it);
           head_s = head_t = blk.query_head(it);
         } else {
-          col_row = static_cast<int>(blk.b * a.n_k + it * kCols);
+          col_row = it * kCols;
           head_s = a.key_head_s(blk.head);
           head_t = a.key_head_t(blk.head);
         }
@@ -171,10 +172,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
         uint8_t* stage = ring + slot.stage * kStageBytes;
         mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
         for (int ks = 0; ks < slabs_s; ++ks) {
-          tma_load_3d(stage + ks * kColSlabBytes, &maps.cols_s, ks * kK, head_s, col_row, &full[slot.stage]);
+          tma_load_4d(stage + ks * kColSlabBytes, &maps.cols_s, ks * kK, head_s, col_row, batch, &full[slot.stage]);
         }
         for (int ks = 0; ks < slabs_t; ++ks) {
-          tma_load_3d(stage + (kMaxSlabs + ks) * kColSlabBytes, &maps.cols_t, ks * kK, head_t, col_row,
+          tma_load_4d(stage + (kMaxSlabs + ks) * kColSlabBytes, &maps.cols_t, ks * kK, head_t, col_row, batch,
                       &full[slot.stage]);
         }
         slot.advance();
@@ -274,9 +275,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
       // 3. grad += dS . C_s, the student's column tile read [64 columns][head dim]. For a head dim
       // under kDs the product also reads slabs no copy wrote: they only reach output columns past
-      // the head dim, which are never stored. The tile's rows past the batch's last column (the
-      // next batch's rows, read by the 3-D boxes) meet dS = 0 there: finite inputs add nothing
-      // (an infinite input in the next batch would make this one's gradient NaN).
+      // the head dim, which are never stored. The tile's rows past the batch's last column read
+      // as zeros (4-D boxes), so nothing of the next batch reaches this one.
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
 #pragma unroll

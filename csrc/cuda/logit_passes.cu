@@ -228,18 +228,21 @@ GradChunk<T> grad_chunk_of(int64_t chunk_begin, int64_t chunk_cols, const at::Te
 bool use_sm90a_kernels() { return !forced_sm80() && sm90a_kernels_loaded(); }
 
 CUtensorMap head_tensor_map(const at::Tensor& t, int box_rows) {
-  TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(3) % 8 == 0 && t.size(0) * t.size(1) < (int64_t(1) << 31),
+  TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(3) % 8 == 0 && t.size(0) < (int64_t(1) << 31) &&
+                  t.size(1) < (int64_t(1) << 31),
               "nitrobrew: head_tensor_map needs a contiguous [B, N, H, D] tensor with D % 8 == 0");
   CUtensorMap map;
   const int64_t bytes = t.element_size();
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(t.size(2)),
-                              static_cast<cuuint64_t>(t.size(0) * t.size(1))};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.size(3) * bytes),
-                                 static_cast<cuuint64_t>(t.size(2) * t.size(3) * bytes)};
-  const cuuint32_t box[3] = {hopper::kK, 1, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
+  // (D, H, N, B): a box never crosses into the next batch's rows (they read as 0).
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(t.size(2)),
+                              static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride(2) * bytes),
+                                 static_cast<cuuint64_t>(t.stride(1) * bytes),
+                                 static_cast<cuuint64_t>(t.stride(0) * bytes)};
+  const cuuint32_t box[4] = {hopper::kK, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult result = tensor_map_encoder()(
-      &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
       t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "nitrobrew: cuTensorMapEncodeTiled failed (", int(result), ")");

@@ -68,14 +68,14 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap*
       : "memory");
 }
 
-// The box at (column k, index i1, row) of a 3-D map into shared memory; completes on `bar`. (The
-// attention kernels read [B, N, H, D] tensors as (D, H, B * N) maps, one head per box.)
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int32_t k, int32_t i1, int32_t row,
-                                            uint64_t* bar) {
+// The box at (column k, head, row, batch) of a 4-D map into shared memory; completes on `bar`.
+// (The attention kernels read [B, N, H, D] tensors as (D, H, N, B) maps, one head per box.)
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int32_t k, int32_t head, int32_t row,
+                                            int32_t batch, uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
           smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(i1), "r"(row), "r"(smem_addr(bar))
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(head), "r"(row), "r"(batch), "r"(smem_addr(bar))
       : "memory");
 }
 

@@ -12,9 +12,9 @@ namespace cuda {
 // loaded, and NITROBREW_FORCE_SM80 not set to 1.
 bool use_sm90a_kernels();
 
-// TMA descriptor of a contiguous [B, N, H, D] 16-bit tensor as the 3-D tensor (D, H, B * N), in
-// boxes of one head x box_rows rows x 32 values with the 64-byte swizzle that wgmma reads;
-// reads past the tensor's end are 0.
+// TMA descriptor of a contiguous [B, N, H, D] 16-bit tensor as the 4-D tensor (D, H, N, B), in
+// boxes of 32 values x one head x box_rows rows of one batch, with the 64-byte swizzle that wgmma
+// reads; rows past N (and values past D) read as 0.
 CUtensorMap head_tensor_map(const at::Tensor& t, int box_rows);
 
 }  // namespace cuda
