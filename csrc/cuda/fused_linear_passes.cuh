@@ -73,6 +73,10 @@ struct KLPass {
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT& zt) {
     constexpr int kN = ZT::kNTiles;
+    if (a.ce_weight == 0.f && v0 + 8 * kN <= a.vocab_size) {
+      plain_tile(a, zs, zt);
+      return;
+    }
     const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
     const float inv_t = a.inv_temperature;
 #pragma unroll
@@ -117,6 +121,65 @@ struct KLPass {
       merge(st[i], part);
       merge(ce[i], ce_part);
     }
+  }
+
+  // A tile inside the vocabulary without the CE add-on (nearly every tile): the general fold's
+  // arithmetic without its per-entry checks, both rows at once, the maxima in four independent
+  // chains. Rows past N or ignored fold whatever their tile holds; finish() drops them. At the
+  // reference shape (N = 8192, bf16, H100) the forward took 6% less time than with the general
+  // fold for every tile, forward + backward 2.7% (benchmarks/NOTES.md); the losses agreed to
+  // 4e-10 relative.
+  template <typename ZS, typename ZT>
+  __device__ __forceinline__ void plain_tile(const FusedLinearArgs<T>& a, const ZS& zs, const ZT& zt) {
+    constexpr int kN = ZT::kNTiles;
+    const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
+    const float inv_t = a.inv_temperature;
+    float max_s[2][4], max_t[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) max_s[i][c] = max_t[i][c] = -INFINITY;
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          max_s[i][(2 * j + e) % 4] = fmaxf(max_s[i][(2 * j + e) % 4], zs.at(j, 2 * i + e));
+          max_t[i][(2 * j + e) % 4] = fmaxf(max_t[i][(2 * j + e) % 4], zt.at(j, 2 * i + e));
+        }
+      }
+    }
+    KLState<float> part[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float ms = fmaxf(fmaxf(max_s[i][0], max_s[i][1]), fmaxf(max_s[i][2], max_s[i][3]));
+      const float mt = fmaxf(fmaxf(max_t[i][0], max_t[i][1]), fmaxf(max_t[i][2], max_t[i][3]));
+      part[i].w.m = scale_logit(weight_by_student ? ms : mt, inv_t);
+      part[i].o.m = scale_logit(weight_by_student ? mt : ms, inv_t);
+      SoftmaxState<float> ce_part;  // as the general fold leaves it without the add-on
+      ce_part.m = ms;
+      merge(ce[i], ce_part);
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float z_s = zs.at(j, 2 * i + e), z_t = zt.at(j, 2 * i + e);
+          const float w = scale_logit(weight_by_student ? z_s : z_t, inv_t);
+          const float o = scale_logit(weight_by_student ? z_t : z_s, inv_t);
+          const float ew = PassExp<T>{}(w - part[i].w.m);
+          part[i].w.l += ew;
+          part[i].a += ew * (w - o);
+          part[i].o.l += PassExp<T>{}(o - part[i].o.m);
+        }
+      }
+    }
+    merge(st[0], part[0]);
+    merge(st[1], part[1]);
   }
 
   __device__ __forceinline__ void finish(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t split) {
