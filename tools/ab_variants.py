@@ -1,0 +1,152 @@
+"""Same-process A/B timing of kernel variants selected by environment variables (which the
+extension reads at each launch), in alternation and beside the baseline of the issue's target, so
+that clocks, temperature and the power cap weigh on every variant alike:
+
+    python tools/ab_variants.py attention --variants none NITROBREW_X=1 --out ab.csv
+    python tools/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
+
+A variant is `none` or assignments joined by '+'. Each round times every method (the baseline,
+then each variant) `--iters` times back to back, forward alone and forward + backward; the CSV has
+the median over rounds of each round's median, the ratio to the baseline's, and checksums of the loss
+and (twice) of the gradients (variants that must not change results have equal checksums).
+- attention: attention_kl against SDPA's FlashAttention (q, k, v gradients), B = 1, bf16,
+  causal and not, N from --n (default 8192), H = 32, D = 128.
+- fused_linear: forward KL against the cuBLAS products of benchmarks/fused_linear.py's floor,
+  on the Qwen reference shape (V = 152064, D_s = 3584, D_t = 5120; N from --n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nitrobrew
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+def timed(fn, iters: int) -> float:
+    """Median milliseconds of `iters` calls, each between CUDA events."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def attention_problem(n: int, causal: bool):
+    """(baseline forward, baseline step, ours forward, ours step -> gradients)."""
+    torch.manual_seed(0)
+    shape = (1, n, 32, 128)
+    q_s, k_s, q_t, k_t, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+    for x in (q_s, k_s, v):
+        x.requires_grad_(True)
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_s.transpose(1, 2), k_s.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal)
+
+    def ours_step():
+        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal)
+        return torch.autograd.grad(loss, (q_s, k_s))
+
+    return (torch.no_grad()(sdpa), lambda: torch.autograd.grad(sdpa(), (q_s, k_s, v), grad_out),
+            torch.no_grad()(lambda: nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, reduction="none")),
+            ours_step)
+
+
+def fused_linear_problem(n: int, causal: bool):
+    from fused_linear import _GemmFloor  # the benchmark's cuBLAS floor
+
+    torch.manual_seed(0)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    xs = torch.randn(n, 3584, **kw, requires_grad=True)
+    xt = torch.randn(n, 5120, **kw)
+    ws = (torch.randn(152064, 3584, **kw) / 3584**0.5).requires_grad_()
+    wt = torch.randn(152064, 5120, **kw) / 5120**0.5
+
+    def floor_step():
+        return torch.autograd.grad(_GemmFloor.apply(xs, xt, ws, wt).mean(), (xs, ws))
+
+    def ours_step():
+        return torch.autograd.grad(nitrobrew.forward_kl(xs, xt, ws, wt), (xs, ws))
+
+    return (torch.no_grad()(lambda: _GemmFloor.apply(xs, xt, ws, wt)), floor_step,
+            torch.no_grad()(lambda: nitrobrew.forward_kl(xs, xt, ws, wt, reduction="none")), ours_step)
+
+
+PROBLEMS = {"attention": (attention_problem, "sdpa", (False, True)),
+            "fused_linear": (fused_linear_problem, "cublas_gemms", (False,))}
+
+
+def apply(variant: str, names: set[str]) -> None:
+    for name in names:
+        os.environ.pop(name, None)
+    if variant != "none":
+        for setting in variant.split("+"):
+            name, value = setting.split("=", 1)
+            os.environ[name] = value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("problem", choices=sorted(PROBLEMS))
+    parser.add_argument("--variants", nargs="+", default=["none"])
+    parser.add_argument("--n", default="8192")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    make, baseline, causal_flags = PROBLEMS[args.problem]
+    names = {s.split("=", 1)[0] for v in args.variants if v != "none" for s in v.split("+")}
+    rows = []
+    for n in [int(x) for x in args.n.split(",")]:
+        for causal in causal_flags:
+            base_fwd, base_step, ours_fwd, ours_step = make(n, causal)
+            checksums = {}
+            for variant in args.variants:  # warm-up, and each variant's results (twice: run to run too)
+                apply(variant, names)
+                loss = float(ours_fwd().double().sum())
+                grads = [float(sum(g.double().abs().sum() for g in ours_step())) for _ in range(2)]
+                checksums[variant] = f"loss {loss!r} grads {grads[0]!r} {grads[1]!r}"
+            base_step()
+            times = {name: {"forward": [], "forward+backward": []} for name in [baseline, *args.variants]}
+            for _ in range(args.rounds):
+                times[baseline]["forward"].append(timed(base_fwd, args.iters))
+                times[baseline]["forward+backward"].append(timed(base_step, args.iters))
+                for variant in args.variants:
+                    apply(variant, names)
+                    times[variant]["forward"].append(timed(ours_fwd, args.iters))
+                    times[variant]["forward+backward"].append(timed(ours_step, args.iters))
+            apply("none", names)
+            for name, by_mode in times.items():
+                for mode, rounds in by_mode.items():
+                    ms = statistics.median(rounds)
+                    row = dict(problem=args.problem, n=n, causal=causal, method=name, mode=mode,
+                               median_ms=round(ms, 3), round_medians_ms=" ".join(f"{t:.3f}" for t in rounds),
+                               ratio_to_baseline=round(ms / statistics.median(times[baseline][mode]), 3),
+                               grad_checksum=checksums.get(name, ""))
+                    rows.append(row)
+                    print(row, flush=True)
+            del base_fwd, base_step, ours_fwd, ours_step
+            torch.cuda.empty_cache()
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
