@@ -5,14 +5,15 @@ that clocks, temperature and the power cap weigh on every variant alike:
     python tools/ab_variants.py attention --variants none NITROBREW_X=1 --out ab.csv
     python tools/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
 
-A variant is `none` or assignments joined by '+'. Each round times every method (the baseline,
-then each variant) `--iters` times back to back, forward alone and forward + backward; the CSV has
+A variant is `none` or assignments joined by '+'. Each round times every method (the baseline and
+peers, then each variant) `--iters` times back to back, forward alone and forward + backward; the CSV has
 the median over rounds of each round's median, the ratio to the baseline's, and checksums of the loss
 and (twice) of the gradients (variants that must not change results have equal checksums).
-- attention: attention_kl against SDPA's FlashAttention (q, k, v gradients), B = 1, bf16,
-  causal and not, N from --n (default 8192), H = 32, D = 128.
-- fused_linear: forward KL against the cuBLAS products of benchmarks/fused_linear.py's floor,
-  on the Qwen reference shape (V = 152064, D_s = 3584, D_t = 5120; N from --n).
+- attention: attention_kl against SDPA as PyTorch dispatches it (q, k, v gradients; --peers adds
+  the FlashAttention-2 backend), B = 1, bf16, causal and not, N from --n (default 8192), H = 32, D = 128.
+- fused_linear: forward KL against the cuBLAS products of benchmarks/fused_linear.py's floor
+  (--peers adds its chunked torch.compile baseline), on the Qwen reference shape (V = 152064,
+  D_s = 3584, D_t = 5120; N from --n).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def attention_problem(n: int, causal: bool):
-    """(baseline forward, baseline step, ours forward, ours step -> gradients)."""
+def attention_problem(n: int, causal: bool, peers: bool):
+    """({baseline and peers: (forward, step)}, ours forward, ours step -> gradients)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.manual_seed(0)
     shape = (1, n, 32, 128)
     q_s, k_s, q_t, k_t, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(5))
@@ -54,21 +57,28 @@ def attention_problem(n: int, causal: bool):
         x.requires_grad_(True)
     grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
-    def sdpa():
-        return F.scaled_dot_product_attention(q_s.transpose(1, 2), k_s.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=causal)
+    def sdpa(backends=None):
+        def run():
+            q, k, vv = (x.transpose(1, 2) for x in (q_s, k_s, v))
+            if backends is None:
+                return F.scaled_dot_product_attention(q, k, vv, is_causal=causal)
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, k, vv, is_causal=causal)
+        return torch.no_grad()(run), lambda: torch.autograd.grad(run(), (q_s, k_s, v), grad_out)
 
     def ours_step():
         loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal)
         return torch.autograd.grad(loss, (q_s, k_s))
 
-    return (torch.no_grad()(sdpa), lambda: torch.autograd.grad(sdpa(), (q_s, k_s, v), grad_out),
-            torch.no_grad()(lambda: nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, reduction="none")),
-            ours_step)
+    others = {"sdpa": sdpa()}  # as PyTorch dispatches it (cuDNN's attention on the H100)
+    if peers:
+        others["sdpa_flash"] = sdpa([SDPBackend.FLASH_ATTENTION])
+    return (others, torch.no_grad()(lambda: nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal,
+                                                                   reduction="none")), ours_step)
 
 
-def fused_linear_problem(n: int, causal: bool):
-    from fused_linear import _GemmFloor  # the benchmark's cuBLAS floor
+def fused_linear_problem(n: int, causal: bool, peers: bool):
+    from fused_linear import METHODS, _GemmFloor  # the benchmark's cuBLAS floor and peers
 
     torch.manual_seed(0)
     kw = dict(device="cuda", dtype=torch.bfloat16)
@@ -77,18 +87,19 @@ def fused_linear_problem(n: int, causal: bool):
     ws = (torch.randn(152064, 3584, **kw) / 3584**0.5).requires_grad_()
     wt = torch.randn(152064, 5120, **kw) / 5120**0.5
 
-    def floor_step():
-        return torch.autograd.grad(_GemmFloor.apply(xs, xt, ws, wt).mean(), (xs, ws))
+    def method(fn):
+        forward = torch.no_grad()(lambda: fn(xs, xt, ws, wt, loss="forward_kl", reduction="none"))
+        return forward, lambda: torch.autograd.grad(fn(xs, xt, ws, wt, loss="forward_kl", reduction="mean"), (xs, ws))
 
-    def ours_step():
-        return torch.autograd.grad(nitrobrew.forward_kl(xs, xt, ws, wt), (xs, ws))
+    others = {"cublas_gemms": (torch.no_grad()(lambda: _GemmFloor.apply(xs, xt, ws, wt)),
+                               lambda: torch.autograd.grad(_GemmFloor.apply(xs, xt, ws, wt).mean(), (xs, ws)))}
+    if peers:
+        others["chunked_compile"] = method(METHODS["chunked_compile"])
+    return (others, torch.no_grad()(lambda: nitrobrew.forward_kl(xs, xt, ws, wt, reduction="none")),
+            lambda: torch.autograd.grad(nitrobrew.forward_kl(xs, xt, ws, wt), (xs, ws)))
 
-    return (torch.no_grad()(lambda: _GemmFloor.apply(xs, xt, ws, wt)), floor_step,
-            torch.no_grad()(lambda: nitrobrew.forward_kl(xs, xt, ws, wt, reduction="none")), ours_step)
 
-
-PROBLEMS = {"attention": (attention_problem, "sdpa", (False, True)),
-            "fused_linear": (fused_linear_problem, "cublas_gemms", (False,))}
+PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,))}
 
 
 def apply(variant: str, names: set[str]) -> None:
@@ -107,25 +118,31 @@ def main() -> None:
     parser.add_argument("--n", default="8192")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--peers", action="store_true",
+                        help="also time the peers (fused_linear: chunked_compile; attention: sdpa_flash)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    make, baseline, causal_flags = PROBLEMS[args.problem]
+    make, causal_flags = PROBLEMS[args.problem]
     names = {s.split("=", 1)[0] for v in args.variants if v != "none" for s in v.split("+")}
     rows = []
     for n in [int(x) for x in args.n.split(",")]:
         for causal in causal_flags:
-            base_fwd, base_step, ours_fwd, ours_step = make(n, causal)
+            others, ours_fwd, ours_step = make(n, causal, args.peers)
+            baseline = next(iter(others))
             checksums = {}
             for variant in args.variants:  # warm-up, and each variant's results (twice: run to run too)
                 apply(variant, names)
                 loss = float(ours_fwd().double().sum())
                 grads = [float(sum(g.double().abs().sum() for g in ours_step())) for _ in range(2)]
                 checksums[variant] = f"loss {loss!r} grads {grads[0]!r} {grads[1]!r}"
-            base_step()
-            times = {name: {"forward": [], "forward+backward": []} for name in [baseline, *args.variants]}
+            for fwd, step in others.values():  # warm-up (and compile)
+                fwd()
+                step()
+            times = {name: {"forward": [], "forward+backward": []} for name in [*others, *args.variants]}
             for _ in range(args.rounds):
-                times[baseline]["forward"].append(timed(base_fwd, args.iters))
-                times[baseline]["forward+backward"].append(timed(base_step, args.iters))
+                for name, (fwd, step) in others.items():
+                    times[name]["forward"].append(timed(fwd, args.iters))
+                    times[name]["forward+backward"].append(timed(step, args.iters))
                 for variant in args.variants:
                     apply(variant, names)
                     times[variant]["forward"].append(timed(ours_fwd, args.iters))
@@ -140,7 +157,7 @@ def main() -> None:
                                grad_checksum=checksums.get(name, ""))
                     rows.append(row)
                     print(row, flush=True)
-            del base_fwd, base_step, ours_fwd, ours_step
+            del others, ours_fwd, ours_step
             torch.cuda.empty_cache()
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
