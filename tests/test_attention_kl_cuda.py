@@ -23,14 +23,19 @@ def launched_kernels(fn):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def force_sm80(monkeypatch, forced):
+    """NITROBREW_FORCE_SM80=1 (the mma.sync kernels everywhere) or unset, for this test."""
+    if forced:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+
+
 @pytest.mark.parametrize("forced_sm80", [False, True])
 def test_forward_kernel_family(monkeypatch, forced_sm80):
     # Hopper with the sm_90a build runs the TMA + wgmma forward; NITROBREW_FORCE_SM80=1 (and any
     # other GPU) the mma.sync one, which the whole file then covers (tools/gpu_check.sh test_sm80).
-    if forced_sm80:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    force_sm80(monkeypatch, forced_sm80)
     q_s, k_s, q_t, k_t, _ = cuda_attention()
     names = launched_kernels(lambda: nitrobrew.attention_kl(q_s, k_s, q_t, k_t))
     hopper = sum("attention_kl_fwd_hopper_kernel" in n for n in names)
@@ -46,10 +51,7 @@ def test_forward_kernel_family(monkeypatch, forced_sm80):
 def test_backward_kernel_family(monkeypatch, forced_sm80, d_s, d_t):
     # Hopper with the sm_90a build runs the TMA + wgmma backward (a dq and a dk kernel) for head
     # dims up to 128; larger ones, other GPUs and NITROBREW_FORCE_SM80=1 the mma.sync kernels.
-    if forced_sm80:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    force_sm80(monkeypatch, forced_sm80)
     q_s, k_s, q_t, k_t, _ = cuda_attention(d_s=d_s, d_t=d_t)
     q_s.requires_grad_()
     loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
@@ -92,10 +94,7 @@ def test_another_batchs_non_finite_inputs_stay_out(monkeypatch, forced_sm80):
     # Tiles that run past a batch's last query or key must read zeros, not the next batch's rows:
     # an infinite entry there would meet dS = 0 in the gradient product and give NaN. Batch 0's
     # loss and gradients must be bitwise those of batch 0 alone.
-    if forced_sm80:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    force_sm80(monkeypatch, forced_sm80)
     q_s, k_s, q_t, k_t, _ = cuda_attention(b=2, n_q=70, n_k=45, heads=2, d_s=64, d_t=32)
     for x in (q_s, k_s, q_t, k_t):
         x[1, :8] = float("inf")
