@@ -35,8 +35,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from harness import (
-    OOM_ERROR, device_name, fmt, free_device_memory, measure_in_subprocess, memory_baseline, peak_extra_mib,
-    pyplot, short_error, time_runs,
+    OOM_ERROR, device_name, fmt, free_device_memory, measure_in_subprocess, measure_rounds, memory_baseline,
+    peak_extra_mib, pyplot, short_error, time_runs,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -50,7 +50,7 @@ DEFAULT_HEADS = {"cpu": 4, "cuda": 32}
 COLUMNS = [
     "date", "device", "driver", "torch", "cuda", "commit", "threads", "method", "kind", "deterministic", "mode",
     "causal", "dtype", "B", "H", "N", "D", "status", "median_ms", "min_ms", "peak_extra_mib", "memory_metric",
-    "ratio_to_sdpa", "loss_value", "backend", "error",
+    "ratio_to_sdpa", "loss_value", "backend", "rounds", "round_medians_ms", "error",
 ]
 ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "ratio_to_sdpa"}  # loss_value keeps full precision
 INPUT_NAMES = ["q_s", "k_s", "q_t", "k_t", "v"]  # each drawn with its own seed: every method sees the same q_s, k_s
@@ -331,6 +331,8 @@ def parse_args():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 cpu, bfloat16 cuda")
     p.add_argument("--repeats", type=int, help="default: 3 on cpu, 5 on cuda")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every (method, N, causal, mode) this many times, one round after another")
     p.add_argument("--warmup", type=int, help="default: 1 on cpu, 3 on cuda")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (cpu)")
     p.add_argument("--out", type=Path, help="CSV path; the plot goes beside it as .png")
@@ -346,8 +348,8 @@ def parse_args():
     args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     args.repeats = args.repeats if args.repeats is not None else (3 if cpu else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
-    if args.repeats < 1 or args.warmup < 0 or min(args.batch, args.heads, args.dim) < 1:
-        p.error("--repeats, --batch, --heads and --dim must be at least 1, --warmup at least 0")
+    if args.repeats < 1 or args.rounds < 1 or args.warmup < 0 or min(args.batch, args.heads, args.dim) < 1:
+        p.error("--repeats, --rounds, --batch, --heads and --dim must be at least 1, --warmup at least 0")
     return args
 
 
@@ -374,26 +376,27 @@ def main():
     }
 
     load_before = os.getloadavg()[0]
-    rows, total = [], len(causals) * len(args.n) * len(args.modes) * len(args.methods)
-    for causal in causals:
-        for n in args.n:
-            for mode in args.modes:
-                for name in args.methods:
-                    print(f"[{len(rows) + 1}/{total}] {name} {mode} causal={causal} N={n}", flush=True)
-                    spec = {"method": name, "mode": mode, "causal": causal, "N": n, "B": args.batch,
-                            "H": args.heads, "D": args.dim, "dtype": args.dtype, "device": args.device,
-                            "kind": args.kind, "deterministic": args.deterministic, "warmup": args.warmup,
-                            "repeats": args.repeats, "threads": args.threads}
-                    result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
-                    free_device_memory(device)
-                    rows.append({**meta, "method": name, "mode": mode, "causal": causal, "N": n, **result})
+    specs = [{"method": name, "mode": mode, "causal": causal, "N": n, "B": args.batch, "H": args.heads, "D": args.dim,
+              "dtype": args.dtype, "device": args.device, "kind": args.kind, "deterministic": args.deterministic,
+              "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
+              "label": f"{name} {mode} causal={causal} N={n}"}
+             for causal in causals for n in args.n for mode in args.modes for name in args.methods]
+
+    def measure_one(spec):
+        result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
+        free_device_memory(device)
+        return result
+
+    rows = [{**meta, "method": spec["method"], "mode": spec["mode"], "causal": spec["causal"], "N": spec["N"],
+             "rounds": args.rounds, **result} for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
 
     add_ratios(rows)
     write_csv(rows, out)
     print(f"\n{meta['device']}, driver {meta['driver']}, torch {meta['torch']}, cuda {meta['cuda']}, "
           f"commit {meta['commit']}, {meta['threads']} threads; B={args.batch} H={args.heads} D={args.dim} "
           f"{args.dtype}, {args.kind} KL, deterministic={args.deterministic}; median of {args.repeats} after "
-          f"{args.warmup} warm-up; peak MiB = {meta['memory_metric']}")
+          f"{args.warmup} warm-up{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}; "
+          f"peak MiB = {meta['memory_metric']}")
     if device.type == "cpu":  # CPU timings are only as good as the machine was quiet
         print(f"1-minute load average before the runs: {load_before:.2f} on {os.cpu_count()} cores")
     print_table(rows)

@@ -27,7 +27,8 @@ import torch
 
 import nitrobrew
 from harness import (
-    OOM_ERROR, device_name, fmt, measure_in_subprocess, memory_baseline, peak_extra_mib, pyplot, time_runs,
+    OOM_ERROR, device_name, fmt, measure_in_subprocess, measure_rounds, memory_baseline, peak_extra_mib, pyplot,
+    time_runs,
 )
 from nitrobrew import reference
 
@@ -39,6 +40,7 @@ DEFAULT_SHAPES = {
 COLUMNS = [
     "date", "device", "torch", "cuda", "threads", "method", "loss", "mode", "dtype", "N", "V", "Ds", "Dt",
     "status", "median_ms", "min_ms", "peak_extra_mib", "memory_metric", "time_vs_naive", "loss_value",
+    "rounds", "round_medians_ms",
 ]
 ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "time_vs_naive"}  # loss_value keeps full precision
 
@@ -264,6 +266,8 @@ def main():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 cpu, bfloat16 cuda")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every (method, shape, mode) this many times, one round after another")
     p.add_argument("--warmup", type=int, help="default: 1 on cpu (runs take seconds), 3 on cuda")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (cpu)")
     p.add_argument("--out", type=Path, help="CSV path; the plot goes beside it as .png")
@@ -276,8 +280,8 @@ def main():
             torch.set_num_threads(spec["threads"])
         print(json.dumps(measure(spec)))
         return
-    if args.repeats < 1 or (args.warmup or 0) < 0:
-        p.error("--repeats must be at least 1 and --warmup at least 0")
+    if args.repeats < 1 or args.rounds < 1 or (args.warmup or 0) < 0:
+        p.error("--repeats and --rounds must be at least 1, --warmup at least 0")
     if args.device == "cuda" and not has_cuda:
         p.error("--device cuda, but torch.cuda.is_available() is False")
     if args.threads:
@@ -296,17 +300,19 @@ def main():
     }
 
     load_before = os.getloadavg()[0]
-    rows, total = [], len(shapes) * len(args.modes) * len(args.methods)
-    for shape in shapes:
-        for mode in args.modes:
-            for name in args.methods:
-                print(f"[{len(rows) + 1}/{total}] {name} {args.loss} {mode} N,V,Ds,Dt={shape} {dtype}", flush=True)
-                spec = {"method": name, "loss": args.loss, "mode": mode, "shape": shape, "dtype": dtype,
-                        "device": args.device, "warmup": warmup, "repeats": args.repeats, "threads": args.threads}
-                result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
-                rows.append({**meta, "method": name, "mode": mode, "shape": shape, **result})
+    specs = [{"method": name, "loss": args.loss, "mode": mode, "shape": shape, "dtype": dtype, "device": args.device,
+              "warmup": warmup, "repeats": args.repeats, "threads": args.threads,
+              "label": f"{name} {args.loss} {mode} N,V,Ds,Dt={shape} {dtype}"}
+             for shape in shapes for mode in args.modes for name in args.methods]
+
+    def measure_one(spec):
+        result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
+        return result
+
+    rows = [{**meta, "method": spec["method"], "mode": spec["mode"], "shape": spec["shape"], "rounds": args.rounds,
+             **result} for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
 
     # Ratios to the naive method of the same shape and mode: absolute times only mean something in one run.
     naive = {(r["shape"], r["mode"]): r.get("median_ms") for r in rows if r["method"] == "naive"}
@@ -323,7 +329,8 @@ def main():
             writer.writerow({**{k: (round(v, 3) if k in ROUNDED else v) for k, v in r.items()},
                              **dict(zip(("N", "V", "Ds", "Dt"), r["shape"]))})
     print(f"\n{meta['device']}, torch {meta['torch']}, cuda {meta['cuda']}, {meta['threads']} threads, "
-          f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up; peak MiB = {meta['memory_metric']}")
+          f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up"
+          f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}; peak MiB = {meta['memory_metric']}")
     if device.type == "cpu":  # CPU timings are only as good as the machine was quiet
         print(f"1-minute load average before the runs: {load_before:.2f} on {os.cpu_count()} cores")
     print_table(rows)

@@ -10,6 +10,7 @@ import gc
 import json
 import math
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -75,6 +76,31 @@ def time_runs(run, device, warmup, repeats, min_seconds=0.0):
             run()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def measure_rounds(specs, measure_one, rounds):
+    """Measures every spec `rounds` times, all specs once per round in the given order, so that a slow
+    spell (a power-capped GPU's clock drifts over minutes) falls on every method alike; returns one
+    result per spec: the median of the rounds' medians, the fastest run, the largest peak memory and
+    the rounds' medians. A spec that fails in a round is not measured again; its failure is its result."""
+    results = [[] for _ in specs]
+    for r in range(rounds):
+        for i, spec in enumerate(specs):
+            if results[i] and results[i][-1].get("status") != "ok":
+                continue
+            label = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
+            print(f"[{i + 1}/{len(specs)}]{label} {spec['label']}", flush=True)
+            results[i].append(measure_one(spec))
+    merged = []
+    for runs in results:
+        if runs[-1].get("status") != "ok":
+            merged.append(runs[-1])
+            continue
+        merged.append({**runs[-1], "median_ms": statistics.median(x["median_ms"] for x in runs),
+                       "min_ms": min(x["min_ms"] for x in runs),
+                       "peak_extra_mib": max(x["peak_extra_mib"] for x in runs),
+                       "round_medians_ms": " ".join(f"{x['median_ms']:.3f}" for x in runs)})
+    return merged
 
 
 def short_error(e):
