@@ -65,16 +65,20 @@ struct AttentionArgs {
 template <typename T>
 void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream);
 
+// Whether the sm_90a kernels (forward and backward) take these head dims: up to 128 each; the
+// host keeps the mma.sync kernels for larger ones.
+bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t);
+
 // The same on Hopper with the sm_90a kernel (TMA + wgmma, attention_kl_hopper.cu); the inputs in
-// kernel layout (contiguous [B, N, H, D], D % 8 == 0). Only where use_sm90a_kernels() (tma.h).
+// kernel layout (contiguous [B, N, H, D], D % 8 == 0). Only where use_sm90a_kernels() (tma.h) and
+// attention_kl_hopper_supports.
 template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 
 // Backward on Hopper with the sm_90a kernels (attention_kl_hopper_bwd.cu): a dq kernel and a dk
 // kernel, each the only writer of its gradient (no atomics; bitwise reproducible), for head dims
-// up to 128 (attention_kl_backward_hopper_supports). Inputs as for the forward's Hopper kernel.
-bool attention_kl_backward_hopper_supports(int64_t d_s, int64_t d_t);
+// up to 128 (attention_kl_hopper_supports). Inputs as for the forward's Hopper kernel.
 template <typename T>
 void launch_attention_kl_backward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                          const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);

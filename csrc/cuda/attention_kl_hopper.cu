@@ -1,18 +1,25 @@
-// Attention-KL forward on Hopper (sm_90a): the fused-linear losses' TMA + wgmma machinery
-// (hopper_gemm.cuh) with queries in the role of the hidden states and keys in the role of the
-// vocabulary. A block owns 128 query rows of one head: thread 0 of a producer warpgroup streams
-// 32-wide head-dim slabs of the query tile and of 256-key tiles of both models into the stage
-// ring (4-D TMA boxes straight from the [B, N, H, D] tensors); each of two consumer warpgroups
-// multiplies
-// its 64 rows with wgmma.m64n256k16, parks the student's scores in shared memory while the
-// teacher's occupy the registers, and folds both into the rows' one-pass KL states
-// (TwoRowKL, shared with the mma.sync kernel). Compiled for every architecture, the kernel body
-// exists only in the sm_90a pass; the host launches it only where that binary is loaded.
+// Attention-KL forward on Hopper (sm_90a), head dims up to 128: TMA + wgmma with both models'
+// query rows resident in shared memory and the two consumer warpgroups in ping-pong.
+//
+// A block owns 128 query rows of one head. Thread 0 of a producer warpgroup loads the rows of
+// both models once (4-D TMA boxes straight from the [B, N, H, D] tensors, 32-wide head-dim slabs
+// in 64-byte swizzled rows), then streams 128-key tiles of both models through a ring of two
+// stages. Each of two consumer warpgroups owns 64 rows; per key tile it
+//   1. multiplies its student and teacher rows by the tile's keys (wgmma.m64n128k16, both
+//      operands in shared memory): the two 64 x 128 score tiles, in registers (64 each);
+//   2. folds both into its rows' one-pass KL states (TwoRowKL, shared with the mma.sync kernel).
+// The score products of one warpgroup run on the tensor cores while the other folds: a pair of
+// named barriers makes the two issue their products in turn (0, 1, 0, 1, ...), so that neither
+// the tensor cores nor the special-function units (two exponentials per score pair) wait for
+// the other's work (the FlashAttention-3 schedule). The previous kernel ran the products and the
+// folds of both warpgroups in lockstep and reloaded the queries at every tile
+// (benchmarks/NOTES.md). Compiled for every architecture, the kernel body exists only in the
+// sm_90a pass; the host launches it only where that binary is loaded.
 #include <c10/cuda/CUDAException.h>
 
 #include "attention_tiles.cuh"
-#include "hopper_gemm.cuh"
 #include "tma.h"
+#include "wgmma_ops.cuh"
 
 namespace nitrobrew {
 namespace cuda {
@@ -21,41 +28,47 @@ namespace attention {
 // (Outside the anonymous namespace: in the passes where the kernel body is compiled out, an
 // unused internal member function draws nvcc warning 177.)
 struct AttentionMaps {
-  CUtensorMap q_s, q_t, k_s, k_t;  // head_tensor_map: boxes of 128 query rows, 256 keys
+  CUtensorMap q_s, q_t, k_s, k_t;  // head_tensor_map: boxes of 128 queries, 128 keys
 };
 
-// The producer: per key tile, the student's slabs of (queries, keys), then the teacher's.
-struct AttentionLoader {
-  const AttentionMaps* maps;
-  uint8_t* smem;
-  uint64_t* full;
-  uint64_t* empty;
-  int32_t batch, query_row;  // the block's batch and first query
-  int32_t head, key_head_s, key_head_t;
-  int tile, last;
-  int k_slabs_s, k_slabs_t;
-  int teacher = 0, ks = 0;
-  hopper::RingSlot slot;
+namespace {
 
-  __device__ __forceinline__ void load_next() {
-    if (tile >= last) return;
-    hopper::mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-    uint8_t* stage = smem + slot.stage * hopper::kStageBytes;
-    hopper::mbar_arrive_expect_tx(&full[slot.stage], hopper::kStageBytes);
-    const int32_t k = ks * hopper::kK;
-    hopper::tma_load_4d(stage, teacher ? &maps->q_t : &maps->q_s, k, head, query_row, batch, &full[slot.stage]);
-    hopper::tma_load_4d(stage + hopper::kXSlabBytes, teacher ? &maps->k_t : &maps->k_s, k,
-                        teacher ? key_head_t : key_head_s, tile * hopper::kCols, batch, &full[slot.stage]);
-    slot.advance();
-    if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
-      ks = 0;
-      teacher ^= 1;
-      if (!teacher) ++tile;
+constexpr int kRows = 128;      // queries per block: 2 consumer warpgroups x 64
+constexpr int kCols = 128;      // keys per tile (the wgmma N)
+constexpr int kK = hopper::kK;  // 32 values: one 64-byte swizzled row, as head_tensor_map loads
+constexpr int kMaxSlabs = 4;    // head dims up to 128
+constexpr int kStages = 2;
+constexpr int kRowSlabBytes = kRows * kK * 2;
+constexpr int kColSlabBytes = kCols * kK * 2;
+constexpr int kRowBytes = kMaxSlabs * kRowSlabBytes;  // one model's rows
+constexpr int kStageBytes = 2 * kMaxSlabs * kColSlabBytes;
+constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreadCount = 384;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + (2 * kStages + 1) * 8;
+static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
+
+using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 128 score tile
+
+// Position in the two-stage ring, walked alike by the producer and the consumers.
+struct StageSlot {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
     }
   }
 };
 
-namespace {
+// Named barriers 1 and 2: consumer warpgroup c waits on 1 + c before issuing its products and
+// then lets the other one go; each completes when both warpgroups (256 threads) reached it.
+__device__ __forceinline__ void turn_wait(int consumer) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + consumer), "n"(kConsumerThreads) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int consumer) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(2 - consumer), "n"(kConsumerThreads) : "memory");
+}
 
 template <int kN>
 __device__ __forceinline__ void scale_scores(TileAcc<kN>& z, float c) {
@@ -66,34 +79,40 @@ __device__ __forceinline__ void scale_scores(TileAcc<kN>& z, float c) {
   }
 }
 
-// Folds a 256-column tile as four 64-column ones: the fold of one 256-wide tile kept ~1.4 KB of
-// temporaries live and spilled; the merge is associative, so the result is the same.
-template <bool kReverse, bool kMasked, int kOff = 0, typename Visible>
-__device__ __forceinline__ void fold_wide(TwoRowKL& state, const hopper::ParkedTile& s, const hopper::WideAcc& t,
-                                          Visible visible) {
-  using hopper::TileSlice;
-  state.fold<kReverse, kMasked>(TileSlice<hopper::ParkedTile, kOff>{s}, TileSlice<hopper::WideAcc, kOff>{t},
-                                [&](int j, int e) { return visible(j + kOff, e); });
-  if constexpr (kOff + 8 < hopper::WideAcc::kNTiles) {
-    fold_wide<kReverse, kMasked, kOff + 8>(state, s, t, visible);
+// acc = this warpgroup's 64 rows (of `rows`, `slabs` 32-wide slabs kRowSlabBytes apart) times the
+// tile's keys (`cols`, slabs kColSlabBytes apart), issued asynchronously (not committed).
+template <typename T>
+__device__ __forceinline__ void issue_scores(Scores& acc, const uint8_t* rows, const uint8_t* cols, int slabs,
+                                             int consumer) {
+  for (int ks = 0; ks < slabs; ++ks) {
+    const uint64_t da = hopper::smem_desc(rows + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
+    const uint64_t db = hopper::smem_desc(cols + ks * kColSlabBytes);
+    hopper::fence_acc(acc);
+    hopper::wgmma_fence();
+    hopper::wgmma_ss<T>(acc, da, db, ks > 0);
+    hopper::wgmma_ss<T>(acc, da + 2, db + 2, 1);
   }
 }
 
 template <typename T, bool kReverse>
-__global__ void __launch_bounds__(hopper::kThreads, 1)
+__global__ void __launch_bounds__(kThreadCount, 1)
     attention_kl_fwd_hopper_kernel(const __grid_constant__ AttentionMaps maps, const AttentionArgs<T> a) {
 #if NITROBREW_SM90A_DEVICE
   using namespace hopper;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* park = reinterpret_cast<float*>(smem + kStages * kStageBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + kParkBytes);
+  uint8_t* rows_s = smem;
+  uint8_t* rows_t = smem + kRowBytes;
+  uint8_t* ring = smem + 2 * kRowBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
+  uint64_t* rows_full = empty + kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
+    mbar_init(rows_full, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -107,54 +126,80 @@ __global__ void __launch_bounds__(hopper::kThreads, 1)
   const int rows_valid = min(kRows, a.n_q - i0);
   const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
   const int k_tiles = key_end > 0 ? (key_end + kCols - 1) / kCols : 0;
-  const int k_slabs_s = (a.d_s + kK - 1) / kK, k_slabs_t = (a.d_t + kK - 1) / kK;
+  const int slabs_s = (a.d_s + kK - 1) / kK, slabs_t = (a.d_t + kK - 1) / kK;
 
   // As in the logit kernel (hopper_gemm.cuh): a producer warpgroup whose thread 0 only loads,
   // its registers given to the consumers; each role is one branch, for setmaxnreg.
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-    if (threadIdx.x == 0) {
-      AttentionLoader loader{&maps,
-                             smem,
-                             full,
-                             empty,
-                             static_cast<int32_t>(b),
-                             i0,
-                             h,
-                             a.key_head_s(h),
-                             a.key_head_t(h),
-                             0,
-                             k_tiles,
-                             k_slabs_s,
-                             k_slabs_t};
-      while (loader.tile < k_tiles) loader.load_next();  // waits for each stage's release
+    if (threadIdx.x == 0 && k_tiles > 0) {
+      const int32_t batch = static_cast<int32_t>(b);
+      mbar_arrive_expect_tx(rows_full, (slabs_s + slabs_t) * kRowSlabBytes);
+      for (int ks = 0; ks < slabs_s; ++ks) {
+        tma_load_4d(rows_s + ks * kRowSlabBytes, &maps.q_s, ks * kK, h, i0, batch, rows_full);
+      }
+      for (int ks = 0; ks < slabs_t; ++ks) {
+        tma_load_4d(rows_t + ks * kRowSlabBytes, &maps.q_t, ks * kK, h, i0, batch, rows_full);
+      }
+      const int head_s = a.key_head_s(h), head_t = a.key_head_t(h);
+      StageSlot slot;
+      for (int tile = 0; tile < k_tiles; ++tile) {
+        mbar_wait(&empty[slot.stage], slot.phase ^ 1);
+        uint8_t* stage = ring + slot.stage * kStageBytes;
+        mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
+        for (int ks = 0; ks < slabs_s; ++ks) {
+          tma_load_4d(stage + ks * kColSlabBytes, &maps.k_s, ks * kK, head_s, tile * kCols, batch, &full[slot.stage]);
+        }
+        for (int ks = 0; ks < slabs_t; ++ks) {
+          tma_load_4d(stage + (kMaxSlabs + ks) * kColSlabBytes, &maps.k_t, ks * kK, head_t, tile * kCols, batch,
+                      &full[slot.stage]);
+        }
+        slot.advance();
+      }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     const int thread = threadIdx.x - kProducerThreads;
     const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
-    const ParkedTile s_parked{park + thread};
-    Ring ring{smem, full, empty};
-    WideAcc z;  // the student's scores, parked, then the teacher's
-    TwoRowKL state;
     const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
+    TwoRowKL state;
+    if (k_tiles > 0) {
+      mbar_wait(rows_full, 0);
+      if (consumer == 1) turn_pass(consumer);  // warpgroup 0 multiplies first
+    }
+    StageSlot slot;
     for (int tile = 0; tile < k_tiles; ++tile) {
-      ring.multiply<T>(z, k_slabs_s, consumer, lane);
-      scale_scores(z, a.c_s);
-      s_parked.park(z);
-      ring.multiply<T>(z, k_slabs_t, consumer, lane);
-      scale_scores(z, a.c_t);
+      mbar_wait(&full[slot.stage], slot.phase);
+      const uint8_t* stage = ring + slot.stage * kStageBytes;
+      Scores s, t;
+      turn_wait(consumer);
+      issue_scores<T>(s, rows_s, stage, slabs_s, consumer);
+      issue_scores<T>(t, rows_t, stage + kMaxSlabs * kColSlabBytes, slabs_t, consumer);
+      wgmma_commit();
+      turn_pass(consumer);
+      wgmma_wait<0>();
+      fence_acc(s);
+      fence_acc(t);
+      __syncwarp();  // the warp's products have read the stage before lane 0 releases it
+      if (lane == 0) mbar_arrive(&empty[slot.stage]);
+      slot.advance();
+
+      scale_scores(s, a.c_s);
+      scale_scores(t, a.c_t);
       const int j0 = tile * kCols, col0 = j0 + 2 * (lane % 4);
       const bool masked =
           a.key_mask != nullptr || j0 + kCols > a.n_k || (a.causal && j0 + kCols - 1 > a.last_key(i0));
       if (masked) {
-        fold_wide<kReverse, true>(state, s_parked, z, [&](int j, int e) {
+        state.fold<kReverse, true>(s, t, [&](int j, int e) {
           return a.visible(b, row0 + 8 * (e / 2), col0 + 8 * j + (e & 1));
         });
       } else {
-        fold_wide<kReverse, false>(state, s_parked, z, [](int, int) { return true; });
+        state.fold<kReverse, false>(s, t, [](int, int) { return true; });
       }
     }
+    // Warpgroup 1 passed the turn once more than warpgroup 0 took it: take it, so that no
+    // arrival is left on the barrier when the block exits.
+    if (k_tiles > 0 && consumer == 0) turn_wait(consumer);
     state.write_rows<kReverse>(a, bh, row0, lane);
   }
 #endif
@@ -162,16 +207,21 @@ __global__ void __launch_bounds__(hopper::kThreads, 1)
 
 }  // namespace
 
+bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t) {
+  return d_s <= kMaxSlabs * kK && d_t <= kMaxSlabs * kK;
+}
+
 template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream) {
-  const AttentionMaps maps{head_tensor_map(q_s, hopper::kRows), head_tensor_map(q_t, hopper::kRows),
-                           head_tensor_map(k_s, hopper::kCols), head_tensor_map(k_t, hopper::kCols)};
+  TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
+  const AttentionMaps maps{head_tensor_map(q_s, kRows), head_tensor_map(q_t, kRows), head_tensor_map(k_s, kCols),
+                           head_tensor_map(k_t, kCols)};
   auto* kernel = a.reverse ? &attention_kl_fwd_hopper_kernel<T, true> : &attention_kl_fwd_hopper_kernel<T, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hopper::kSmemBytes));
-  const int64_t blocks = a.batch * a.heads * ((a.n_q + hopper::kRows - 1) / hopper::kRows);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const int64_t blocks = a.batch * a.heads * ((a.n_q + kRows - 1) / kRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);
-  kernel<<<static_cast<unsigned>(blocks), hopper::kThreads, hopper::kSmemBytes, stream>>>(maps, a);
+  kernel<<<static_cast<unsigned>(blocks), kThreadCount, kSmemBytes, stream>>>(maps, a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

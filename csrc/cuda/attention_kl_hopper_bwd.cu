@@ -329,14 +329,10 @@ void launch(const BackwardMaps& maps, const AttentionArgs<T>& a, cudaStream_t st
 
 }  // namespace
 
-bool attention_kl_backward_hopper_supports(int64_t d_s, int64_t d_t) {
-  return d_s <= kMaxSlabs * kK && d_t <= kMaxSlabs * kK;
-}
-
 template <typename T>
 void launch_attention_kl_backward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                          const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream) {
-  TORCH_CHECK(attention_kl_backward_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
+  TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
   const BackwardMaps dq_maps{head_tensor_map(q_s, kRows), head_tensor_map(q_t, kRows), head_tensor_map(k_s, kCols),
                              head_tensor_map(k_t, kCols)};
   const BackwardMaps dk_maps{head_tensor_map(k_s, kRows), head_tensor_map(k_t, kRows), head_tensor_map(q_s, kCols),

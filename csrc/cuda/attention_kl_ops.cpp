@@ -97,8 +97,9 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_fwd_cuda(const at::Tensor& q_s, 
   const KernelInputs in(q_s, k_s, q_t, k_t, key_mask);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int d_s_pad = round_up(static_cast<int>(in.q_s.size(3)), 16);
-  // Hopper with the sm_90a build: TMA + wgmma; elsewhere (or NITROBREW_FORCE_SM80=1) mma.sync.
-  const bool hopper = use_sm90a_kernels();
+  // Hopper with the sm_90a build: TMA + wgmma for head dims up to 128; elsewhere (or
+  // NITROBREW_FORCE_SM80=1) mma.sync.
+  const bool hopper = use_sm90a_kernels() && attention_kl_hopper_supports(in.q_s.size(3), in.q_t.size(3));
   auto launch = [&](auto a) {
     a.loss = loss.data_ptr<float>();
     a.row_stats = row_stats.data_ptr<float>();
@@ -148,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   // Hopper with the sm_90a build: the TMA + wgmma kernels (deterministic whatever `deterministic`
   // says) for head dims up to 128; elsewhere the mma.sync kernels.
-  const bool hopper = use_sm90a_kernels() && attention_kl_backward_hopper_supports(in.q_s.size(3), in.q_t.size(3));
+  const bool hopper = use_sm90a_kernels() && attention_kl_hopper_supports(in.q_s.size(3), in.q_t.size(3));
   at::Tensor grad_rows;  // the Hopper dk kernel copies 64 queries' GradRows at a time
   if (hopper) {
     const int64_t per_head = (p.n_queries + 63) / 64 * 64;

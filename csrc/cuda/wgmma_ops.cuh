@@ -1,6 +1,7 @@
 // wgmma forms the attention-KL backward uses beyond hopper_gemm.cuh's m64n256k16 (sm_90a only;
 // elsewhere they compile to nothing and are never called):
-//   wgmma_ss<T>:     d (+)= A . B^T, 64 x 64, both operands K-major in shared memory (descriptors);
+//   wgmma_ss<T, kN>: d (+)= A . B^T, 64 x 8kN (64 or 128), both operands K-major in shared memory
+//                    (descriptors);
 //   wgmma_rs<T, kN>: d (+)= A . B,   64 x 8kN, A in registers (a 64 x 16 slice in the m16n8k16 A
 //                    layout per warp), B in shared memory as [K rows][N contiguous] (MN-major:
 //                    the instruction's transpose-B operand is 1).
@@ -25,6 +26,15 @@ namespace hopper {
       : NITROBREW_ACC_0_7(d) \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 
+// d (+)= A . B^T, 64 x 128 x 16; scale_d = 0 overwrites d.
+#define NITROBREW_WGMMA_SS_N128(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+      "{" NITROBREW_REGS_0_31 ", " NITROBREW_REGS_32_63 "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+      : NITROBREW_ACC_0_7(d), NITROBREW_ACC_8_15(d) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+
 // d (+)= A . B, 64 x 64 x 16, A in registers, B MN-major; scale_d = 0 overwrites d.
 #define NITROBREW_WGMMA_RS_N64(TYPE) \
   asm volatile( \
@@ -43,14 +53,15 @@ namespace hopper {
       : NITROBREW_ACC_0_7(d), NITROBREW_ACC_8_15(d) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 
-template <typename T>
-__device__ __forceinline__ void wgmma_ss(TileAcc<8>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_ss(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert(kN == 8 || kN == 16, "B widths of 64 and 128");
 #if NITROBREW_SM90A_DEVICE
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    NITROBREW_WGMMA_SS_N64("bf16");
-  } else {
-    NITROBREW_WGMMA_SS_N64("f16");
-  }
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (kN == 8 && kBf16) NITROBREW_WGMMA_SS_N64("bf16");
+  if constexpr (kN == 8 && !kBf16) NITROBREW_WGMMA_SS_N64("f16");
+  if constexpr (kN == 16 && kBf16) NITROBREW_WGMMA_SS_N128("bf16");
+  if constexpr (kN == 16 && !kBf16) NITROBREW_WGMMA_SS_N128("f16");
 #endif
 }
 
