@@ -49,18 +49,6 @@ static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may hav
 
 using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 128 score tile
 
-// Position in the two-stage ring, walked alike by the producer and the consumers.
-struct StageSlot {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
 // Named barriers 1 and 2: consumer warpgroup c waits on 1 + c before issuing its products and
 // then lets the other one go; each completes when both warpgroups (256 threads) reached it.
 __device__ __forceinline__ void turn_wait(int consumer) {
@@ -142,7 +130,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
         tma_load_4d(rows_t + ks * kRowSlabBytes, &maps.q_t, ks * kK, h, i0, batch, rows_full);
       }
       const int head_s = a.key_head_s(h), head_t = a.key_head_t(h);
-      StageSlot slot;
+      hopper::RingPosition<kStages> slot;
       for (int tile = 0; tile < k_tiles; ++tile) {
         mbar_wait(&empty[slot.stage], slot.phase ^ 1);
         uint8_t* stage = ring + slot.stage * kStageBytes;
@@ -167,7 +155,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       mbar_wait(rows_full, 0);
       if (consumer == 1) turn_pass(consumer);  // warpgroup 0 multiplies first
     }
-    StageSlot slot;
+    hopper::RingPosition<kStages> slot;
     for (int tile = 0; tile < k_tiles; ++tile) {
       mbar_wait(&full[slot.stage], slot.phase);
       const uint8_t* stage = ring + slot.stage * kStageBytes;

@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
         tma_load_4d(rows_s + ks * kRowSlabBytes, &maps.rows_s, ks * kK, blk.head, blk.row0, batch, rows_s_full);
       }
       int loaded_t = -1, reloads = 0;
-      RingSlot slot;
+      RingPosition<kStages> slot;
       for (int it = 0; it < blk.items; ++it) {
         const int teacher_head = blk.teacher_row_head(a, it);
         if (teacher_head != loaded_t) {
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     }
     if (blk.items > 0) mbar_wait(rows_s_full, 0);
     int loaded_t = -1, reloads = 0;
-    RingSlot slot;
+    RingPosition<kStages> slot;
     for (int it = 0; it < blk.items; ++it) {
       const int teacher_head = blk.teacher_row_head(a, it);
       if (teacher_head != loaded_t) {

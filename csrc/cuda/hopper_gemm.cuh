@@ -195,17 +195,20 @@ struct TileSlice {
   __device__ __forceinline__ float at(int j, int k) const { return tile.at(j + kOff, k); }
 };
 
-// Ring position shared by the producer and the consumers: both walk the same sequence of slabs.
-struct RingSlot {
+// Ring position shared by the producer and the consumers: both walk the same sequence of slabs
+// through a ring of kDepth stages.
+template <int kDepth>
+struct RingPosition {
   int stage = 0;
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
+    if (++stage == kDepth) {
       stage = 0;
       phase ^= 1;
     }
   }
 };
+using RingSlot = RingPosition<kStages>;
 
 // The producer: one thread that streams the block's slabs into the ring, in the order the
 // consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's (none
