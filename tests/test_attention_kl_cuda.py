@@ -192,17 +192,20 @@ def test_non_contiguous_inputs():
     check_attention(q_s, k_s, q_t, k_t, kind="forward", attention_mask=mask, reduction="none")
 
 
-def test_rows_that_see_no_key_give_zero_loss_and_gradient():
-    q_s, k_s, q_t, k_t, _ = cuda_attention(b=2, n_q=90, n_k=20, heads=2, d_s=64, d_t=64)
+@pytest.mark.parametrize("n_q", [90, 300])
+def test_rows_that_see_no_key_give_zero_loss_and_gradient(n_q):
+    # With n_q = 300 the first 128-query block sees no key at all (it walks no key tile).
+    q_s, k_s, q_t, k_t, _ = cuda_attention(b=2, n_q=n_q, n_k=20, heads=2, d_s=64, d_t=64)
     mask = torch.ones(2, 20, dtype=torch.bool, device="cuda")
     mask[1] = False  # batch 1 attends to nothing
     q_s.requires_grad_()
     k_s.requires_grad_()
     loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=True, attention_mask=mask, reduction="none")
-    # Query i sees keys j <= i - 70: rows 0-69 see none.
-    assert (loss[:, :, :70] == 0).all() and (loss[1] == 0).all() and (loss[0, :, 71:] > 0).all()
+    # Query i sees keys j <= i - (n_q - 20): rows before that see none.
+    blind = n_q - 20
+    assert (loss[:, :, :blind] == 0).all() and (loss[1] == 0).all() and (loss[0, :, blind + 1:] > 0).all()
     loss.sum().backward()
-    assert (q_s.grad[:, :70] == 0).all() and (q_s.grad[1] == 0).all() and (q_s.grad[0, 71:] != 0).any()
+    assert (q_s.grad[:, :blind] == 0).all() and (q_s.grad[1] == 0).all() and (q_s.grad[0, blind + 1:] != 0).any()
     assert (k_s.grad[1] == 0).all() and torch.isfinite(k_s.grad).all()
 
 
