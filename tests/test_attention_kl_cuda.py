@@ -1,7 +1,8 @@
 """Attention-distribution KL on CUDA (bfloat16 / float16 on tensor cores): values and gradients
 against the float64 reference for every option, on lengths that divide no tile, with the
-backward the device runs (on Hopper the TMA + wgmma dq and dk kernels; elsewhere, and with
-NITROBREW_FORCE_SM80=1, the mma.sync ones: atomic dq by default, or deterministic);
+backward the device runs (on Hopper the fused TMA + wgmma kernel, or the dq and dk kernels when
+deterministic; elsewhere, and with NITROBREW_FORCE_SM80=1, the mma.sync ones: atomic dq by
+default, or deterministic);
 reproducibility, the float16 gradient range, the chunked dq buffer, torch.compile and errors."""
 
 import itertools
@@ -48,22 +49,26 @@ def test_forward_kernel_family(monkeypatch, forced_sm80, d_s, d_t):
         assert hopper == 0 and mma == 1, names
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("forced_sm80", [False, True])
 @pytest.mark.parametrize("d_s,d_t", [(128, 64), (256, 64)])
-def test_backward_kernel_family(monkeypatch, forced_sm80, d_s, d_t):
-    # Hopper with the sm_90a build runs the TMA + wgmma backward (a dq and a dk kernel) for head
-    # dims up to 128; larger ones, other GPUs and NITROBREW_FORCE_SM80=1 the mma.sync kernels.
+def test_backward_kernel_family(monkeypatch, forced_sm80, d_s, d_t, deterministic):
+    # Hopper with the sm_90a build runs a TMA + wgmma backward for head dims up to 128: the fused
+    # kernel (dq through a float32 buffer, then converted), or when deterministic a dq and a dk
+    # kernel; larger head dims, other GPUs and NITROBREW_FORCE_SM80=1 the mma.sync kernels.
     force_sm80(monkeypatch, forced_sm80)
     q_s, k_s, q_t, k_t, _ = cuda_attention(d_s=d_s, d_t=d_t)
     q_s.requires_grad_()
-    loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
+    loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, deterministic=deterministic)
     names = launched_kernels(lambda: loss.backward())
-    hopper = sum("attention_kl_bwd_hopper_kernel" in n for n in names)
+    fused = sum("attention_kl_bwd_fused_kernel" in n for n in names)
+    pair = sum("attention_kl_bwd_hopper_kernel" in n for n in names)
     mma = sum("attention_kl_dk_kernel" in n or "attention_kl_dq_kernel" in n for n in names)
     if torch.cuda.get_device_capability() == (9, 0) and not forced_sm80 and d_s <= 128:
-        assert hopper == 2 and mma == 0, names
+        assert (fused, pair, mma) == ((0, 2, 0) if deterministic else (1, 0, 0)), names
+        assert sum("dq_from_fragments_kernel" in n for n in names) == (0 if deterministic else 1), names
     else:
-        assert hopper == 0 and mma >= 1, names
+        assert fused == 0 and pair == 0 and mma >= 1, names
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -225,13 +230,15 @@ def test_deterministic_gradients_are_bitwise_reproducible():
     torch.testing.assert_close(atomic[1], first[1], rtol=2e-2, atol=1e-5)
 
 
-def test_dq_buffer_in_chunks(monkeypatch):
-    # The atomic backward accumulates dq in float32 a chunk of (batches x key heads) at a time;
-    # a tiny budget forces one key head per chunk.
-    # (The mma.sync kernels' path: Hopper's wgmma backward has no dq buffer.)
+@pytest.mark.parametrize("forced_sm80", [False, True])
+@pytest.mark.parametrize("budget", ["1", str(256 << 10)])
+def test_dq_buffer_in_chunks(monkeypatch, forced_sm80, budget):
+    # The atomic backwards accumulate dq in float32 a chunk of (batches x key heads) at a time: a
+    # tiny budget forces one key head per chunk; 256 KiB is two of the three batches per chunk
+    # for Hopper's fused kernel (64 KiB per key head: 2 query heads x 2 tiles x 64 x 64 floats).
     q_s, k_s, q_t, k_t, mask = cuda_attention(b=3, n_q=100, n_k=90, heads=4, gqa="student", masked=True)
-    monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    monkeypatch.setenv("NITROBREW_DQ_ACCUM_BYTES", "1")
+    force_sm80(monkeypatch, forced_sm80)
+    monkeypatch.setenv("NITROBREW_DQ_ACCUM_BYTES", budget)
     check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask, reduction="none")
 
 

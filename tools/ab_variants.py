@@ -66,8 +66,9 @@ def attention_problem(n: int, causal: bool, peers: bool):
                 return F.scaled_dot_product_attention(q, k, vv, is_causal=causal)
         return torch.no_grad()(run), lambda: torch.autograd.grad(run(), (q_s, k_s, v), grad_out)
 
-    def ours_step():
-        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal)
+    def ours_step():  # NITROBREW_AB_DETERMINISTIC=1 as a variant: the deterministic backward
+        deterministic = os.environ.get("NITROBREW_AB_DETERMINISTIC") == "1"
+        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, deterministic=deterministic)
         return torch.autograd.grad(loss, (q_s, k_s))
 
     others = {"sdpa": sdpa()}  # as PyTorch dispatches it (cuDNN's attention on the H100)

@@ -6,7 +6,7 @@
 // - dk kernel, one block per (64 keys, batch, student key head): walks the query tiles of every
 //   query head of its GQA group and keeps dk for its keys in registers, so dk needs no atomics.
 //   By default it also forms dq = dS . K_s for each tile and adds it into a float32 buffer with
-//   atomics; the buffer covers a chunk of batches / key heads at a time (dq_accum_budget()).
+//   atomics; the buffer covers a chunk of batches / key heads at a time (dq_accum_chunks).
 // - dq kernel (deterministic=True), one block per (64 queries, batch, head): walks key tiles and
 //   keeps dq in registers. Each gradient entry then has one writer and a fixed summation order,
 //   so results are bitwise reproducible, at the price of computing the scores twice.
@@ -27,12 +27,6 @@ namespace {
 
 constexpr int kDsLen = kBlockCols + kRowPad;   // row length of the dS^T tile in shared memory
 
-// Bytes of float32 dq accumulated per dk launch: 256 MiB, or NITROBREW_DQ_ACCUM_BYTES (tests
-// set it tiny to exercise the chunking).
-int64_t dq_accum_budget() {
-  const char* env = std::getenv("NITROBREW_DQ_ACCUM_BYTES");
-  return env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{256} << 20;
-}
 
 template <typename T>
 __device__ __forceinline__ void store_pair(T* dst, float lo, float hi) {
@@ -338,26 +332,37 @@ void backward(AttentionArgs<T> a, const AttentionKLParams& p, at::Tensor& dq, bo
   }
   // dq in float32 through atomics, a chunk of (batches x key heads) at a time to bound the buffer.
   const int64_t per_key_head = p.n_queries * group * a.d_s * static_cast<int64_t>(sizeof(float));
-  const int64_t per_batch = per_key_head * p.key_heads_s;
-  const int64_t budget = dq_accum_budget();
-  const int64_t batches = std::clamp<int64_t>(budget / per_batch, 1, p.batch);
-  const int64_t key_heads = batches > 1 ? p.key_heads_s : std::clamp<int64_t>(budget / per_key_head, 1, p.key_heads_s);
-  for (int64_t b0 = 0; b0 < p.batch; b0 += batches) {
-    for (int64_t kh0 = 0; kh0 < p.key_heads_s; kh0 += key_heads) {
-      a.chunk_b0 = b0;
-      a.chunk_batches = std::min(batches, p.batch - b0);
-      a.chunk_kh0 = static_cast<int>(kh0);
-      a.chunk_key_heads = static_cast<int>(std::min(key_heads, p.key_heads_s - kh0));
-      at::Tensor accum = at::zeros({a.chunk_batches, p.n_queries, a.chunk_key_heads * group, a.d_s},
-                                   dq.options().dtype(at::kFloat));
-      a.dq_accum = accum.data_ptr<float>();
-      launch_dk<T, kDs, 0>(a, stream);  // unrolling its teacher scores spilled
-      dq.narrow(0, b0, a.chunk_batches).narrow(2, kh0 * group, a.chunk_key_heads * group).copy_(accum);
-    }
+  for (const DqChunk& c : dq_accum_chunks(p.batch, p.key_heads_s, per_key_head)) {
+    a.chunk_b0 = c.b0;
+    a.chunk_batches = c.batches;
+    a.chunk_kh0 = c.kh0;
+    a.chunk_key_heads = c.key_heads;
+    at::Tensor accum =
+        at::zeros({c.batches, p.n_queries, c.key_heads * group, a.d_s}, dq.options().dtype(at::kFloat));
+    a.dq_accum = accum.data_ptr<float>();
+    launch_dk<T, kDs, 0>(a, stream);  // unrolling its teacher scores spilled
+    dq.narrow(0, c.b0, c.batches).narrow(2, c.kh0 * group, c.key_heads * group).copy_(accum);
   }
 }
 
 }  // namespace
+
+std::vector<DqChunk> dq_accum_chunks(int64_t batch, int64_t key_heads, int64_t bytes_per_key_head) {
+  const char* env = std::getenv("NITROBREW_DQ_ACCUM_BYTES");
+  const int64_t budget = env != nullptr ? std::max<int64_t>(1, std::atoll(env)) : int64_t{256} << 20;
+  const int64_t per_batch = bytes_per_key_head * key_heads;
+  const int64_t batches = std::clamp<int64_t>(budget / std::max<int64_t>(per_batch, 1), 1, batch);
+  const int64_t heads =
+      batches > 1 ? key_heads : std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_key_head, 1), 1, key_heads);
+  std::vector<DqChunk> chunks;
+  for (int64_t b0 = 0; b0 < batch; b0 += batches) {
+    for (int64_t kh0 = 0; kh0 < key_heads; kh0 += heads) {
+      chunks.push_back({b0, std::min(batches, batch - b0), static_cast<int>(kh0),
+                        static_cast<int>(std::min(heads, key_heads - kh0))});
+    }
+  }
+  return chunks;
+}
 
 template <typename T>
 void launch_attention_kl_backward(AttentionArgs<T> a, const AttentionKLParams& p, at::Tensor& dq, bool deterministic,

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../attention_kl_params.h"
 
@@ -61,6 +62,15 @@ struct AttentionArgs {
   }
 };
 
+// A chunk of the float32 dq buffer the atomic backwards accumulate into: batches [b0, + batches)
+// by student key heads [kh0, + key_heads), within NITROBREW_DQ_ACCUM_BYTES (256 MiB by default;
+// tests set it tiny): whole batches when one fits, else key heads of one batch.
+struct DqChunk {
+  int64_t b0, batches;
+  int kh0, key_heads;
+};
+std::vector<DqChunk> dq_accum_chunks(int64_t batch, int64_t key_heads, int64_t bytes_per_key_head);
+
 // Forward: fills a.loss and a.row_stats (every row; zeros where no key is visible).
 template <typename T>
 void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream);
@@ -76,12 +86,17 @@ template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 
-// Backward on Hopper with the sm_90a kernels (attention_kl_hopper_bwd.cu): a dq kernel and a dk
-// kernel, each the only writer of its gradient (no atomics; bitwise reproducible), for head dims
-// up to 128 (attention_kl_hopper_supports). Inputs as for the forward's Hopper kernel.
+// Backward on Hopper with the sm_90a kernels, for head dims up to 128 (attention_kl_hopper_supports);
+// inputs as for the forward's Hopper kernel. Deterministic (attention_kl_hopper_bwd.cu): a dq and
+// a dk kernel, each the only writer of its gradient. Otherwise (attention_kl_hopper_bwd_fused.cu)
+// one kernel that writes dk and adds dq into a float32 buffer (bulk reductions), then converts it
+// into dq (a.dq).
 template <typename T>
 void launch_attention_kl_backward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                          const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
+template <typename T>
+void launch_attention_kl_backward_hopper_fused(AttentionArgs<T> a, const at::Tensor& q_s, const at::Tensor& k_s,
+                                               const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 
 // Backward: fills a.dk and dq (a.dq points into it), with atomics into float32 chunks of dq, or
 // with the deterministic dq kernel.

@@ -47,15 +47,6 @@ constexpr int kStatsBytes = 2 * kCols * int(sizeof(GradRow));  // dk: two tiles'
 constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + kStatsBytes + (2 * kStages + 3) * 8;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
 
-// Descriptor of a column tile read as the B operand of dS . C: [64 K rows (columns of the score
-// tile)][N = head dim], the head dim contiguous in 32-wide slabs kColSlabBytes apart (MN-major,
-// 64-byte swizzle: 8-row groups 512 bytes apart). A 16-row K step adds 1024 bytes.
-__device__ __forceinline__ uint64_t mn_major_desc(const void* p) {
-  const uint64_t addr = hopper::smem_addr(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(kColSlabBytes >> 4) << 16) | (uint64_t(512 >> 4) << 32) |
-         (uint64_t(2) << 62);
-}
-
 // What a block works on: its rows, and the column tiles ("items") it walks.
 template <typename T, bool kKeyRows>
 struct BackwardBlock {
@@ -285,7 +276,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       fence_acc(grad);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_rs<T, kDs / 8>(grad, ds[k], mn_major_desc(stage + k * 1024), 1);
+      for (int k = 0; k < 4; ++k) wgmma_rs<T, kDs / 8>(grad, ds[k], mn_major_desc(stage + k * 1024, kColSlabBytes), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_acc(grad);

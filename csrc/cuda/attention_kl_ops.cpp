@@ -1,7 +1,8 @@
 // The attention-KL ops on CUDA: input checks, the layout the kernels read, output allocation, and
 // the choice of kernels; the kernels and their launchers are in attention_kl_hopper.cu (sm_90a
-// forward), attention_kl_fwd.cu (mma.sync forward), attention_kl_hopper_bwd.cu (sm_90a backward)
-// and attention_kl_bwd.cu (mma.sync backward).
+// forward), attention_kl_fwd.cu (mma.sync forward), attention_kl_hopper_bwd_fused.cu (sm_90a
+// backward), attention_kl_hopper_bwd.cu (its deterministic form) and attention_kl_bwd.cu (mma.sync
+// backward).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -147,10 +148,11 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   at::Tensor dq = at::empty(in.q_s.sizes(), in.q_s.options());
   at::Tensor dk = at::empty(in.k_s.sizes(), in.k_s.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  // Hopper with the sm_90a build: the TMA + wgmma kernels (deterministic whatever `deterministic`
-  // says) for head dims up to 128; elsewhere the mma.sync kernels.
+  // Hopper with the sm_90a build: the TMA + wgmma kernels for head dims up to 128 (the fused
+  // kernel with dq in float32 by default, the dq and dk kernels when deterministic); elsewhere
+  // the mma.sync kernels.
   const bool hopper = use_sm90a_kernels() && attention_kl_hopper_supports(in.q_s.size(3), in.q_t.size(3));
-  at::Tensor grad_rows;  // the Hopper dk kernel copies 64 queries' GradRows at a time
+  at::Tensor grad_rows;  // the Hopper kernels over key rows copy 64 queries' GradRows at a time
   if (hopper) {
     const int64_t per_head = (p.n_queries + 63) / 64 * 64;
     grad_rows = at::zeros({p.batch * p.heads, per_head, 6}, grad.options());
@@ -169,8 +171,10 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(a.dq)>>;
     a.dq = reinterpret_cast<T*>(dq.data_ptr());
     a.dk = reinterpret_cast<T*>(dk.data_ptr());
-    if (hopper) {
+    if (hopper && deterministic) {
       launch_attention_kl_backward_hopper(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
+    } else if (hopper) {
+      launch_attention_kl_backward_hopper_fused(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
     } else {
       launch_attention_kl_backward(a, p, dq, deterministic, stream);
     }

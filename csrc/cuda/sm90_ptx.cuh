@@ -1,5 +1,5 @@
-// Thin wrappers of the sm_90 PTX the TMA-fed kernels use: mbarriers, cluster barriers and TMA
-// loads. No torch: tools/tma_stream_bench.cu, a standalone program, includes it too. Compiled for
+// Thin wrappers of the sm_90 PTX the TMA-fed kernels use: mbarriers, cluster barriers, TMA
+// loads, bulk reductions into global memory and matrix stores to shared memory. No torch: tools/tma_stream_bench.cu, a standalone program, includes it too. Compiled for
 // every architecture, but only sm_90a kernel bodies call them.
 #pragma once
 
@@ -77,6 +77,32 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
           smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(head), "r"(row), "r"(batch), "r"(smem_addr(bar))
       : "memory");
+}
+
+// Shared-memory writes of this thread (generic proxy) made visible to later wgmma reads and bulk
+// copies (async proxy), once a barrier orders them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// dst[0 .. bytes / 4) += src[...] in float32, asynchronously (a bulk group: commit, then wait).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Every committed bulk group has read its shared memory (the source may be rewritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Every committed bulk group is complete.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Four 8 x 8 16-bit matrices to shared memory: lane l gives the address of row l % 8 of matrix
+// l / 8 and holds, in r[m], elements (l / 4, 2 (l % 4) + {0, 1}) of matrix m (the mma C layout).
+__device__ __forceinline__ void stmatrix_x4(void* row_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(row_addr)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 }  // namespace hopper

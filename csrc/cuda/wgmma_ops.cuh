@@ -4,7 +4,9 @@
 //                    (descriptors);
 //   wgmma_rs<T, kN>: d (+)= A . B,   64 x 8kN, A in registers (a 64 x 16 slice in the m16n8k16 A
 //                    layout per warp), B in shared memory as [K rows][N contiguous] (MN-major:
-//                    the instruction's transpose-B operand is 1).
+//                    the instruction's transpose-B operand is 1);
+//   wgmma_ss_mn<T, kN>: d (+)= A . B, 64 x 8kN (32 or 64), both operands MN-major in shared
+//                    memory (A as [K rows][M contiguous], B as [K rows][N contiguous]).
 // The accumulator registers are TileAcc's v[j][e] in order (the m64nN fragment layout). Each form
 // is one macro over the PTX type of A and B (bf16 or f16), as in hopper_gemm.cuh.
 #pragma once
@@ -53,6 +55,24 @@ namespace hopper {
       : NITROBREW_ACC_0_7(d), NITROBREW_ACC_8_15(d) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 
+// d (+)= A . B, 64 x 32 x 16, both operands MN-major; scale_d = 0 overwrites d.
+#define NITROBREW_WGMMA_SS_MN_N32(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n" \
+      : NITROBREW_ACC_TILE(d, 0), NITROBREW_ACC_TILE(d, 1), NITROBREW_ACC_TILE(d, 2), NITROBREW_ACC_TILE(d, 3) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+
+// d (+)= A . B, 64 x 64 x 16, both operands MN-major; scale_d = 0 overwrites d.
+#define NITROBREW_WGMMA_SS_MN_N64(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+      "{" NITROBREW_REGS_0_31 "}, %32, %33, p, 1, 1, 1, 1;\n}\n" \
+      : NITROBREW_ACC_0_7(d) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+
 template <typename T, int kN>
 __device__ __forceinline__ void wgmma_ss(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(kN == 8 || kN == 16, "B widths of 64 and 128");
@@ -75,6 +95,27 @@ __device__ __forceinline__ void wgmma_rs(TileAcc<kN>& d, const uint32_t (&a)[4],
   if constexpr (kN == 16 && kBf16) NITROBREW_WGMMA_RS_N128("bf16");
   if constexpr (kN == 16 && !kBf16) NITROBREW_WGMMA_RS_N128("f16");
 #endif
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_ss_mn(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert(kN == 4 || kN == 8, "B widths of 32 and 64");
+#if NITROBREW_SM90A_DEVICE
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (kN == 4 && kBf16) NITROBREW_WGMMA_SS_MN_N32("bf16");
+  if constexpr (kN == 4 && !kBf16) NITROBREW_WGMMA_SS_MN_N32("f16");
+  if constexpr (kN == 8 && kBf16) NITROBREW_WGMMA_SS_MN_N64("bf16");
+  if constexpr (kN == 8 && !kBf16) NITROBREW_WGMMA_SS_MN_N64("f16");
+#endif
+}
+
+// Descriptor of an MN-major operand with 64-byte swizzle: [K rows][MN contiguous in 32-wide
+// slabs `slab_bytes` apart], 8-row groups of a slab 512 bytes apart; a 16-row K step adds 1024
+// bytes. (The rows of a TMA box of head_tensor_map read with K along the box's rows.)
+__device__ __forceinline__ uint64_t mn_major_desc(const void* p, int slab_bytes) {
+  const uint64_t addr = smem_addr(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(slab_bytes >> 4) << 16) | (uint64_t(512 >> 4) << 32) |
+         (uint64_t(2) << 62);
 }
 
 }  // namespace hopper
