@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
+
 #include "attention_tiles.cuh"
 #include "tma.h"
 #include "wgmma_ops.cuh"
@@ -88,9 +89,33 @@ struct FusedBlock {
     per_head = max(0, q_tiles - first_tile);
     items = group * per_head;
   }
-  __device__ __forceinline__ int query_head(int it) const { return head * group + it / per_head; }
-  __device__ __forceinline__ int query_tile(int it) const { return first_tile + it % per_head; }
+  // An item: its query head's place g in the group, its query tile and the teacher's key head
+  // (walked in order, so that the loops divide only when the query head changes).
+  struct Item {
+    int g, tile, head_t;
+  };
+  __device__ __forceinline__ Item first_item(const AttentionArgs<T>& a) const {
+    return Item{0, first_tile, a.key_head_t(head * group)};
+  }
+  __device__ __forceinline__ void advance(Item& x, const AttentionArgs<T>& a) const {
+    if (++x.tile == q_tiles) {
+      x.tile = first_tile;
+      ++x.g;
+      x.head_t = a.key_head_t(head * group + x.g);
+    }
+  }
+  __device__ __forceinline__ int query_head(const Item& x) const { return head * group + x.g; }
 };
+
+// 4 floats from shared memory (the pointer arithmetic above loses the address space, and a
+// generic load costs more).
+__device__ __forceinline__ float4 ld_shared_f4(const void* p) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(hopper::smem_addr(p)));
+  return v;
+}
 
 template <typename T, int kDs, bool kReverse>
 __global__ void __launch_bounds__(kThreadCount, 1)
@@ -136,8 +161,9 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     }
     int loaded_t = -1, reloads = 0;
     RingPosition<kStages> slot;
-    for (int it = 0; it < blk.items; ++it) {
-      const int qh = blk.query_head(it), teacher_head = a.key_head_t(qh);
+    auto item = blk.first_item(a);
+    for (int it = 0; it < blk.items; ++it, blk.advance(item, a)) {
+      const int qh = blk.query_head(item), teacher_head = item.head_t;
       if (teacher_head != loaded_t) {  // GQA: the teacher's keys of this query head
         if (loaded_t >= 0) mbar_wait(keys_t_empty, (reloads++) & 1);
         mbar_arrive_expect_tx(keys_t_full, slabs_t * kRowSlabBytes);
@@ -146,7 +172,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
         }
         loaded_t = teacher_head;
       }
-      const int q0 = blk.query_tile(it) * kCols;
+      const int q0 = item.tile * kCols;
       mbar_wait(&empty[slot.stage], slot.phase ^ 1);
       uint8_t* stage = ring + slot.stage * kStageBytes;
       mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
@@ -181,10 +207,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
   // (B below): by then every consumer thread has passed item it - 1's B, so it is done reading
   // the buffer that item it - 1 used.
   float prefetched[6];
-  auto load_query_rows = [&](int it) {
+  auto load_query_rows = [&](int it, const auto& item) {
     if (thread < kCols && it < blk.items) {
-      const float* src = a.grad_rows + ((blk.b * a.heads + blk.query_head(it)) * a.grad_rows_per_head +
-                                        blk.query_tile(it) * kCols + thread) * 6;
+      const float* src = a.grad_rows + ((blk.b * a.heads + blk.query_head(item)) * a.grad_rows_per_head +
+                                        item.tile * kCols + thread) * 6;
 #pragma unroll
       for (int k = 0; k < 6; ++k) prefetched[k] = src[k];
     }
@@ -197,58 +223,59 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     }
   };
 
+  // Items it (cur), it + 1 (next) and it + 2 (ahead, whose per-query rows are loaded).
+  auto cur = blk.first_item(a), next = cur, ahead = cur;
+  blk.advance(next, a);
+  ahead = next;
+  blk.advance(ahead, a);
   TileAcc<kDs / 8> dk;
   dk.zero();
   if (blk.items > 0) {
-    load_query_rows(0);
+    load_query_rows(0, cur);
     store_query_rows(0);
-    load_query_rows(1);
+    load_query_rows(1, next);
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
     mbar_wait(keys_s_full, 0);
   }
+  // S^T of one model, 64 keys x 64 queries (fence_acc at each step, as in hopper_gemm.cuh, keeps
+  // the accumulators in place), issued and committed, not waited for.
+  auto issue_scores = [&](TileAcc<8>& acc, const uint8_t* keys, const uint8_t* queries, int slabs) {
+    for (int ks = 0; ks < slabs; ++ks) {
+      const uint64_t da = smem_desc(keys + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
+      const uint64_t db = smem_desc(queries + ks * kColSlabBytes);
+      fence_acc(acc);
+      wgmma_fence();
+      wgmma_ss<T>(acc, da, db, ks > 0);
+      wgmma_ss<T>(acc, da + 2, db + 2, 1);
+    }
+    wgmma_commit();
+  };
   int loaded_t = -1, reloads = 0;
   RingPosition<kStages> slot;
+
   for (int it = 0; it < blk.items; ++it) {
-    const int qh = blk.query_head(it), teacher_head = a.key_head_t(qh);
-    if (teacher_head != loaded_t) {
+    // 1. S^T of both models.
+    if (cur.head_t != loaded_t) {  // GQA: the teacher's keys of this query head
       mbar_wait(keys_t_full, (reloads++) & 1);
-      loaded_t = teacher_head;
+      loaded_t = cur.head_t;
     }
     mbar_wait(&full[slot.stage], slot.phase);
     const uint8_t* stage = ring + slot.stage * kStageBytes;
-
-    // 1. S^T of both models, 64 keys x 64 queries.
-    // (fence_acc at each step, as in hopper_gemm.cuh, keeps the accumulators in place.)
     TileAcc<8> s, t;
-    for (int ks = 0; ks < slabs_s; ++ks) {
-      const uint64_t da = smem_desc(keys_s + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
-      const uint64_t db = smem_desc(stage + ks * kColSlabBytes);
-      fence_acc(s);
-      wgmma_fence();
-      wgmma_ss<T>(s, da, db, ks > 0);
-      wgmma_ss<T>(s, da + 2, db + 2, 1);
-    }
-    for (int ks = 0; ks < slabs_t; ++ks) {
-      const uint64_t da = smem_desc(keys_t + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
-      const uint64_t db = smem_desc(stage + (kMaxSlabs + ks) * kColSlabBytes);
-      fence_acc(t);
-      wgmma_fence();
-      wgmma_ss<T>(t, da, db, ks > 0);
-      wgmma_ss<T>(t, da + 2, db + 2, 1);
-    }
-    wgmma_commit();
+    issue_scores(s, keys_s, stage, slabs_s);
+    issue_scores(t, keys_t, stage + kMaxSlabs * kColSlabBytes, slabs_t);
     store_query_rows(it + 1);  // while the products run
-    load_query_rows(it + 2);
+    load_query_rows(it + 2, ahead);
     wgmma_wait<0>();
     fence_acc(s);
     fence_acc(t);
-    if (it + 1 < blk.items && a.key_head_t(blk.query_head(it + 1)) != teacher_head && lane == 0) {
+    if (it + 1 < blk.items && next.head_t != loaded_t && lane == 0) {
       mbar_arrive(keys_t_empty);  // this warp is done with the teacher's keys
     }
 
     // 2. dS^T, masked, in the input dtype: n-tiles 2k, 2k + 1 of the scores are k-step k of the
     // dk product's register operand.
-    const int q0 = blk.query_tile(it) * kCols;
+    const int q0 = cur.tile * kCols;
     const QueryGrad* qd = query_data + (it & 1) * kCols;
     const bool masked = block_masked || q0 + kCols > a.n_q || (a.causal && blk.row0 + kRows - 1 > a.last_key(q0));
     uint32_t ds[4][4];
@@ -258,7 +285,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int q = 8 * j + 2 * (lane % 4) + (e & 1);
-        const QueryGrad g = qd[q];
+        const float4 g4 = ld_shared_f4(qd + q);
+        const QueryGrad g{g4.x, g4.y, g4.z, g4.w};
         const float sv = __fmul_rn(s.v[j][e], a.c_s), tv = __fmul_rn(t.v[j][e], a.c_t);
         const float p = exp2_approx(fmaf(sv, kLog2e, -g.s_off2));
         float grad_s;
@@ -303,7 +331,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
     // 4. dq slice = dS . K_s[:, this warpgroup's half of the head dim], once both halves of dS
     // are stored (barrier B). Thread 0 of each warpgroup first makes sure that the previous
-    // tile's reduction has read the staging buffer that step 5 rewrites.
+    // tile's reduction has read the staging buffer rewritten in step 5.
     fence_proxy_async_shared();
     if (wg_thread == 0) bulk_wait_read();
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
@@ -325,7 +353,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     slot.advance();
 
     // 5. Stage the slice in fragment order (n-tile j of every thread, then the next n-tile) and
-    // add it into the buffer.
+    // add it into the buffer with one bulk reduction (per-thread float4 reductions were 14%
+    // slower: benchmarks/NOTES.md).
     float* my_stage = dq_stage + consumer * kDqSliceFloats<kDs>;
 #pragma unroll
     for (int j = 0; j < kDqN; ++j) {
@@ -335,10 +364,13 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     fence_proxy_async_shared();
     asm volatile("bar.sync %0, %1;\n" ::"r"(2 + consumer), "n"(128) : "memory");
     if (wg_thread == 0) {
-      const int64_t slice = ((blk.pair * blk.group + it / blk.per_head) * blk.q_tiles + blk.query_tile(it)) * 2 + consumer;
+      const int64_t slice = ((blk.pair * blk.group + cur.g) * blk.q_tiles + cur.tile) * 2 + consumer;
       bulk_reduce_add_f32(a.dq_accum + slice * kDqSliceFloats<kDs>, my_stage, kDqSliceFloats<kDs> * 4);
       bulk_commit();
     }
+    cur = next;
+    next = ahead;
+    blk.advance(ahead, a);
   }
   if (wg_thread == 0) bulk_wait();
 
