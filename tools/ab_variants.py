@@ -6,7 +6,7 @@ that clocks, temperature and the power cap weigh on every variant alike:
     python tools/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
 
 A variant is `none` or assignments joined by '+'. Each round times every method (the baseline and
-peers, then each variant) `--iters` times back to back, forward alone and forward + backward; the CSV has
+peers, then each variant, the variants' order rotating from round to round) `--iters` times back to back, forward alone and forward + backward; the CSV has
 the median over rounds of each round's median, the ratio to the baseline's, and checksums of the loss
 and (twice) of the gradients (variants that must not change results have equal checksums).
 - attention: attention_kl against SDPA as PyTorch dispatches it (q, k, v gradients; --peers adds
@@ -140,11 +140,14 @@ def main() -> None:
                 fwd()
                 step()
             times = {name: {"forward": [], "forward+backward": []} for name in [*others, *args.variants]}
-            for _ in range(args.rounds):
+            for r in range(args.rounds):
                 for name, (fwd, step) in others.items():
                     times[name]["forward"].append(timed(fwd, args.iters))
                     times[name]["forward+backward"].append(timed(step, args.iters))
-                for variant in args.variants:
+                # Each round starts with the next variant: the first one after the baseline ran
+                # measurably slower (benchmarks/NOTES.md), so no variant keeps that place.
+                shift = r % len(args.variants)
+                for variant in args.variants[shift:] + args.variants[:shift]:
                     apply(variant, names)
                     times[variant]["forward"].append(timed(ours_fwd, args.iters))
                     times[variant]["forward+backward"].append(timed(ours_step, args.iters))

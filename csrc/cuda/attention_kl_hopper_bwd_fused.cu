@@ -74,12 +74,17 @@ struct QueryGrad {
 template <typename T>
 struct FusedBlock {
   int64_t pair, b;
-  int head, row0, group, first_tile, per_head, items, q_tiles;
+  int head, row0, group, first_tile, per_head, items, q_tiles, rotation;
 
   __device__ FusedBlock(const AttentionArgs<T>& a) {
-    const int64_t pairs = a.chunk_batches * a.chunk_key_heads;
-    pair = blockIdx.x % pairs;
-    row0 = static_cast<int>(blockIdx.x / pairs) * kRows;  // causal: the keys most queries see first
+    // Head by head: the blocks of a (batch, key head) pair run together and share its query
+    // tiles in L2 (in the order of the forward, all heads at once, the larger N the more of them
+    // came from memory: 23% slower at N = 16384; benchmarks/NOTES.md). Within a head, the keys
+    // most queries see first (causal).
+    const int key_blocks = (a.n_k + kRows - 1) / kRows;
+    pair = blockIdx.x / key_blocks;
+    const int key_block = static_cast<int>(blockIdx.x % key_blocks);
+    row0 = key_block * kRows;
     b = a.chunk_b0 + pair / a.chunk_key_heads;
     head = a.chunk_kh0 + static_cast<int>(pair % a.chunk_key_heads);
     group = a.heads / a.key_heads_s;
@@ -88,18 +93,22 @@ struct FusedBlock {
     first_tile = q_first / kCols;
     per_head = max(0, q_tiles - first_tile);
     items = group * per_head;
+    // The blocks of a head start at different query tiles, so that their dq reductions do not
+    // all land on the same tile at once.
+    rotation = per_head > 0 ? key_block % per_head : 0;
   }
   // An item: its query head's place g in the group, its query tile and the teacher's key head
   // (walked in order, so that the loops divide only when the query head changes).
   struct Item {
-    int g, tile, head_t;
+    int g, k, tile, head_t;  // k: the item's rank among its query head's tiles
   };
   __device__ __forceinline__ Item first_item(const AttentionArgs<T>& a) const {
-    return Item{0, first_tile, a.key_head_t(head * group)};
+    return Item{0, 0, first_tile + rotation, a.key_head_t(head * group)};
   }
   __device__ __forceinline__ void advance(Item& x, const AttentionArgs<T>& a) const {
-    if (++x.tile == q_tiles) {
-      x.tile = first_tile;
+    x.tile = x.tile + 1 == q_tiles ? first_tile : x.tile + 1;
+    if (++x.k == per_head) {
+      x.k = 0;
       ++x.g;
       x.head_t = a.key_head_t(head * group + x.g);
     }
