@@ -67,9 +67,8 @@ def attention_kl(
             Rows that see no key give 0 and zero gradient.
         attention_mask: [B, N_k] bool, True = the key is attended (Hugging Face's convention).
         deterministic: CUDA: accumulate dq without floating-point atomics, so gradients are
-            bitwise reproducible (it recomputes the scores once more). On Hopper (sm_90a build,
-            head dims up to 128, NITROBREW_FORCE_SM80 unset) the backward never uses atomics and
-            is reproducible either way; so is the CPU kernel.
+            bitwise reproducible (it recomputes the scores once more; on Hopper 2-3 times the
+            default backward's time). The CPU kernel is reproducible either way.
     """
     for name, value in (("q_s", q_s), ("k_s", k_s), ("q_t", q_t), ("k_t", k_t)):
         _checks.tensor(value, name)
