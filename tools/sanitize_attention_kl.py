@@ -1,6 +1,6 @@
 """Runs every CUDA kernel of the attention KL once on small, awkward problems, for compute-sanitizer:
 on Hopper the TMA + wgmma forward and backwards (head dims up to 128: the fused backward with its
-dq buffer, also chunked, and the deterministic dq and dk kernels) and the mma.sync kernels for
+dq buffer, also chunked, and the deterministic dq kernel with the fused kernel's dk alone) and the mma.sync kernels for
 larger head dims; with NITROBREW_FORCE_SM80=1 the mma.sync forward, dk with atomic dq (also
 chunked), and dq and dk of the deterministic backward:
 

@@ -87,16 +87,17 @@ void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Ten
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 
 // Backward on Hopper with the sm_90a kernels, for head dims up to 128 (attention_kl_hopper_supports);
-// inputs as for the forward's Hopper kernel. Deterministic (attention_kl_hopper_bwd.cu): a dq and
-// a dk kernel, each the only writer of its gradient. Otherwise (attention_kl_hopper_bwd_fused.cu)
-// one kernel that writes dk and adds dq into a float32 buffer (bulk reductions), then converts it
-// into dq (a.dq).
+// inputs as for the forward's Hopper kernel. By default (attention_kl_hopper_bwd_fused.cu) one
+// kernel writes dk and adds dq into a float32 buffer (bulk reductions), then a second converts it
+// into dq (a.dq); with_dq = false leaves dq out. Deterministic (attention_kl_hopper_bwd.cu): a dq
+// kernel, each entry with one writer, and the fused kernel for dk alone.
 template <typename T>
 void launch_attention_kl_backward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                          const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
 template <typename T>
 void launch_attention_kl_backward_hopper_fused(AttentionArgs<T> a, const at::Tensor& q_s, const at::Tensor& k_s,
-                                               const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);
+                                               const at::Tensor& q_t, const at::Tensor& k_t, bool with_dq,
+                                               cudaStream_t stream);
 
 // Backward: fills a.dk and dq (a.dq points into it), with atomics into float32 chunks of dq, or
 // with the deterministic dq kernel.

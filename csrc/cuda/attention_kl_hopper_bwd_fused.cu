@@ -1,6 +1,7 @@
-// Attention-KL backward on Hopper (sm_90a), the default (atomic) one: a single kernel recomputes
-// each score tile once and uses it for both gradients (the deterministic pair of kernels in
-// attention_kl_hopper_bwd.cu recomputes it twice), in FlashAttention-3's backward layout.
+// Attention-KL backward on Hopper (sm_90a): a single kernel recomputes each score tile once and
+// uses it for both gradients, in FlashAttention-3's backward layout. dq is added with (bulk)
+// atomics; for deterministic=True the kernel runs without its dq part (kWithDq = false: dk alone,
+// one writer per entry) beside the dq kernel of attention_kl_hopper_bwd.cu.
 //
 // A block owns 128 keys of one student key head (two consumer warpgroups of 64), keeps the keys
 // of both models resident in shared memory, and walks the 64-query tiles of every query head of
@@ -16,7 +17,8 @@
 //      adds into a float32 buffer with one bulk reduction (cp.reduce.async.bulk).
 // The buffer holds dq in the accumulators' fragment order (contiguous per query tile and
 // warpgroup, so each reduction is one 1-D bulk copy); a second kernel converts it into dq. It
-// covers a chunk of (batch, key head) pairs at a time (dq_accum_chunks).
+// covers a chunk of (batch, key head) pairs at a time (dq_accum_chunks). The blocks of a pair run
+// together, so that its query tiles stay in L2.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -126,7 +128,7 @@ __device__ __forceinline__ float4 ld_shared_f4(const void* p) {
   return v;
 }
 
-template <typename T, int kDs, bool kReverse>
+template <typename T, int kDs, bool kReverse, bool kWithDq>
 __global__ void __launch_bounds__(kThreadCount, 1)
     attention_kl_bwd_fused_kernel(const __grid_constant__ FusedBackwardMaps maps, const AttentionArgs<T> a) {
 #if NITROBREW_SM90A_DEVICE
@@ -316,7 +318,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     }
     uint8_t* ds_tile = ds_tiles + (it & 1) * kDsBytes;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 4 && kWithDq; ++k) {
       // Matrix m = lane / 8 of k-step k: keys key_base - lane / 4 + 8 (m & 1) + lane % 8,
       // queries 16 k + 8 (m >> 1) + (0..7): one 16-byte chunk of a swizzled 64-byte row.
       const int m = lane / 8, key = key_base - lane / 4 + 8 * (m & 1) + lane % 8;
@@ -338,45 +340,55 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     for (int k = 0; k < 4; ++k) wgmma_rs<T, kDs / 8>(dk, ds[k], mn_major_desc(stage + k * 1024, kColSlabBytes), 1);
     wgmma_commit();
 
-    // 4. dq slice = dS . K_s[:, this warpgroup's half of the head dim], once both halves of dS
-    // are stored (barrier B). Thread 0 of each warpgroup first makes sure that the previous
-    // tile's reduction has read the staging buffer rewritten in step 5.
-    fence_proxy_async_shared();
-    if (wg_thread == 0) bulk_wait_read();
+    // Barrier B: the per-query data's buffers (above) and, with dq, both halves of dS stored.
+    // Thread 0 of each warpgroup first makes sure that the previous tile's reduction has read the
+    // staging buffer rewritten in step 5.
+    if constexpr (kWithDq) {
+      fence_proxy_async_shared();
+      if (wg_thread == 0) bulk_wait_read();
+    }
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-    TileAcc<kDqN> dq;
-    const uint8_t* k_half = keys_s + consumer * (kDs / 2 / kK) * kRowSlabBytes;
+    if constexpr (kWithDq) {
+      // 4. dq slice = dS . K_s[:, this warpgroup's half of the head dim].
+      TileAcc<kDqN> dq;
+      const uint8_t* k_half = keys_s + consumer * (kDs / 2 / kK) * kRowSlabBytes;
 #pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
+      for (int kk = 0; kk < kRows / 16; ++kk) {
+        fence_acc(dq);
+        wgmma_fence();
+        wgmma_ss_mn<T, kDqN>(dq, mn_major_desc(ds_tile + kk * 1024, kDsSlabBytes),
+                             mn_major_desc(k_half + kk * 1024, kRowSlabBytes), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(dk);
       fence_acc(dq);
-      wgmma_fence();
-      wgmma_ss_mn<T, kDqN>(dq, mn_major_desc(ds_tile + kk * 1024, kDsSlabBytes),
-                           mn_major_desc(k_half + kk * 1024, kRowSlabBytes), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(dk);
-    fence_acc(dq);
-    __syncwarp();  // the warp's products have read the stage before lane 0 releases it
-    if (lane == 0) mbar_arrive(&empty[slot.stage]);
-    slot.advance();
+      __syncwarp();  // the warp's products have read the stage before lane 0 releases it
+      if (lane == 0) mbar_arrive(&empty[slot.stage]);
 
-    // 5. Stage the slice in fragment order (n-tile j of every thread, then the next n-tile) and
-    // add it into the buffer with one bulk reduction (per-thread float4 reductions were 14%
-    // slower: benchmarks/NOTES.md).
-    float* my_stage = dq_stage + consumer * kDqSliceFloats<kDs>;
+      // 5. Stage the slice in fragment order (n-tile j of every thread, then the next n-tile) and
+      // add it into the buffer with one bulk reduction (per-thread float4 reductions were 14%
+      // slower: benchmarks/NOTES.md).
+      float* my_stage = dq_stage + consumer * kDqSliceFloats<kDs>;
 #pragma unroll
-    for (int j = 0; j < kDqN; ++j) {
-      *reinterpret_cast<float4*>(my_stage + (j * 128 + wg_thread) * 4) =
-          make_float4(dq.v[j][0], dq.v[j][1], dq.v[j][2], dq.v[j][3]);
+      for (int j = 0; j < kDqN; ++j) {
+        *reinterpret_cast<float4*>(my_stage + (j * 128 + wg_thread) * 4) =
+            make_float4(dq.v[j][0], dq.v[j][1], dq.v[j][2], dq.v[j][3]);
+      }
+      fence_proxy_async_shared();
+      asm volatile("bar.sync %0, %1;\n" ::"r"(2 + consumer), "n"(128) : "memory");
+      if (wg_thread == 0) {
+        const int64_t slice = ((blk.pair * blk.group + cur.g) * blk.q_tiles + cur.tile) * 2 + consumer;
+        bulk_reduce_add_f32(a.dq_accum + slice * kDqSliceFloats<kDs>, my_stage, kDqSliceFloats<kDs> * 4);
+        bulk_commit();
+      }
+    } else {
+      wgmma_wait<0>();
+      fence_acc(dk);
+      __syncwarp();  // the warp's product has read the stage before lane 0 releases it
+      if (lane == 0) mbar_arrive(&empty[slot.stage]);
     }
-    fence_proxy_async_shared();
-    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + consumer), "n"(128) : "memory");
-    if (wg_thread == 0) {
-      const int64_t slice = ((blk.pair * blk.group + cur.g) * blk.q_tiles + cur.tile) * 2 + consumer;
-      bulk_reduce_add_f32(a.dq_accum + slice * kDqSliceFloats<kDs>, my_stage, kDqSliceFloats<kDs> * 4);
-      bulk_commit();
-    }
+    slot.advance();
     cur = next;
     next = ahead;
     blk.advance(ahead, a);
@@ -435,9 +447,28 @@ __global__ void dq_from_fragments_kernel(const AttentionArgs<T> a, int64_t float
   }
 }
 
+// dk alone (deterministic=True: the dq kernel of attention_kl_hopper_bwd.cu writes dq).
+template <typename T, int kDs>
+void launch_dk_only(const FusedBackwardMaps& maps, AttentionArgs<T> a, cudaStream_t stream) {
+  auto* kernel = a.reverse ? &attention_kl_bwd_fused_kernel<T, kDs, true, false>
+                           : &attention_kl_bwd_fused_kernel<T, kDs, false, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  a.chunk_b0 = 0;
+  a.chunk_batches = a.batch;
+  a.chunk_kh0 = 0;
+  a.chunk_key_heads = a.key_heads_s;
+  a.dq_accum = nullptr;
+  const int64_t blocks = (a.n_k + kRows - 1) / kRows * a.batch * a.key_heads_s;
+  TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (key tile, batch, key head) blocks: ", blocks);
+  if (blocks == 0) return;
+  kernel<<<static_cast<unsigned>(blocks), kThreadCount, kSmemBytes, stream>>>(maps, a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int kDs>
 void launch_fused(const FusedBackwardMaps& maps, AttentionArgs<T> a, const at::Tensor& q_s, cudaStream_t stream) {
-  auto* kernel = a.reverse ? &attention_kl_bwd_fused_kernel<T, kDs, true> : &attention_kl_bwd_fused_kernel<T, kDs, false>;
+  auto* kernel = a.reverse ? &attention_kl_bwd_fused_kernel<T, kDs, true, true>
+                           : &attention_kl_bwd_fused_kernel<T, kDs, false, true>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int64_t group = a.heads / a.key_heads_s, q_tiles = (a.n_q + kCols - 1) / kCols;
   const int64_t key_blocks = (a.n_k + kRows - 1) / kRows;
@@ -471,22 +502,23 @@ void launch_fused(const FusedBackwardMaps& maps, AttentionArgs<T> a, const at::T
 
 template <typename T>
 void launch_attention_kl_backward_hopper_fused(AttentionArgs<T> a, const at::Tensor& q_s, const at::Tensor& k_s,
-                                               const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream) {
+                                               const at::Tensor& q_t, const at::Tensor& k_t, bool with_dq,
+                                               cudaStream_t stream) {
   TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
   const FusedBackwardMaps maps{head_tensor_map(k_s, kRows), head_tensor_map(k_t, kRows), head_tensor_map(q_s, kCols),
                                head_tensor_map(q_t, kCols)};
   if (a.d_s <= 64) {
-    launch_fused<T, 64>(maps, a, q_s, stream);
+    with_dq ? launch_fused<T, 64>(maps, a, q_s, stream) : launch_dk_only<T, 64>(maps, a, stream);
   } else {
-    launch_fused<T, 128>(maps, a, q_s, stream);
+    with_dq ? launch_fused<T, 128>(maps, a, q_s, stream) : launch_dk_only<T, 128>(maps, a, stream);
   }
 }
 
 template void launch_attention_kl_backward_hopper_fused(AttentionArgs<__nv_bfloat16>, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        cudaStream_t);
+                                                        bool, cudaStream_t);
 template void launch_attention_kl_backward_hopper_fused(AttentionArgs<__half>, const at::Tensor&, const at::Tensor&,
-                                                        const at::Tensor&, const at::Tensor&, cudaStream_t);
+                                                        const at::Tensor&, const at::Tensor&, bool, cudaStream_t);
 
 }  // namespace attention
 }  // namespace cuda

@@ -149,8 +149,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   at::Tensor dk = at::empty(in.k_s.sizes(), in.k_s.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   // Hopper with the sm_90a build: the TMA + wgmma kernels for head dims up to 128 (the fused
-  // kernel with dq in float32 by default, the dq and dk kernels when deterministic); elsewhere
-  // the mma.sync kernels.
+  // kernel with dq in float32 by default; when deterministic a dq kernel and the fused kernel for
+  // dk alone); elsewhere the mma.sync kernels.
   const bool hopper = use_sm90a_kernels() && attention_kl_hopper_supports(in.q_s.size(3), in.q_t.size(3));
   at::Tensor grad_rows;  // the Hopper kernels over key rows copy 64 queries' GradRows at a time
   if (hopper) {
@@ -174,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
     if (hopper && deterministic) {
       launch_attention_kl_backward_hopper(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
     } else if (hopper) {
-      launch_attention_kl_backward_hopper_fused(a, in.q_s, in.k_s, in.q_t, in.k_t, stream);
+      launch_attention_kl_backward_hopper_fused(a, in.q_s, in.k_s, in.q_t, in.k_t, /*with_dq=*/true, stream);
     } else {
       launch_attention_kl_backward(a, p, dq, deterministic, stream);
     }
