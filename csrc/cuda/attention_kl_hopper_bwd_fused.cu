@@ -214,9 +214,9 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
   // The per-query data of item `it`: 64 GradRows (the upstream gradient not yet range-scaled),
   // loaded a tile ahead into registers by threads 0-63 and stored as QueryGrads into one of two
-  // buffers. Item it + 1's are stored during item it, before the barrier that item's dS waits at
-  // (B below): by then every consumer thread has passed item it - 1's B, so it is done reading
-  // the buffer that item it - 1 used.
+  // buffers. Item it + 1's are stored during item it, before item it's barrier B (below), which
+  // every thread passes before item it + 1's dS reads them; a thread that stores them has passed
+  // item it - 1's B, so every thread is done with that buffer's previous contents (item it - 1's).
   float prefetched[6];
   auto load_query_rows = [&](int it, const auto& item) {
     if (thread < kCols && it < blk.items) {
