@@ -5,7 +5,8 @@ that clocks, temperature and the power cap weigh on every variant alike:
     python tools/ab_variants.py attention --variants none NITROBREW_X=1 --out ab.csv
     python tools/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
 
-A variant is `none` or assignments joined by '+'. Each round times every method (the baseline and
+A variant is `none` or assignments joined by '+' (attention: NITROBREW_AB_DETERMINISTIC=1 is read by
+this script itself and passes deterministic=True). Each round times every method (the baseline and
 peers, then each variant, the variants' order rotating from round to round) `--iters` times back to back, forward alone and forward + backward; the CSV has
 the median over rounds of each round's median, the ratio to the baseline's, and checksums of the loss
 and (twice) of the gradients (variants that must not change results have equal checksums).
