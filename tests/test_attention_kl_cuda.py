@@ -179,6 +179,21 @@ def test_large_scores(kind):
     assert loss.abs().max() > 10, "the test should reach large losses"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_that_grow_along_the_keys(kind, causal):
+    # Key norms growing 40-fold along the keys, at different rates for the two models: later key
+    # tiles hold scores far above every earlier tile's, so the forward's fold moves its reference
+    # point (its sums kept relative to it) at many tiles, not only at the first.
+    q_s, k_s, q_t, k_t, mask = cuda_attention(n_q=70, n_k=600, gqa="student", masked=True)
+    ramp = torch.linspace(0.2, 8.0, k_s.shape[1], device="cuda", dtype=torch.float64)[None, :, None, None]
+    k_s = (k_s.double() * ramp).to(k_s.dtype)
+    k_t = (k_t.double() * ramp.sqrt()).to(k_t.dtype)
+    (loss, _, _), _ = check_attention(q_s, k_s, q_t, k_t, kind=kind, causal=causal, attention_mask=mask,
+                                      reduction="none")
+    assert loss.abs().max() > 10, "the test should reach large losses"
+
+
 def test_float16_gradients_of_a_mean_over_many_rows():
     # dS = dLoss/dscore is rounded to float16 for the tensor cores. With the mean over 4 x 2048
     # rows and probabilities ~1/2048, dS ~ 1e-9 lies below float16's smallest subnormal (6e-8);

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     cp_async_commit();
   }
 
-  TwoRowKL state;
+  TwoRowKL state = TwoRowKL::make<kReverse>(a.c_s, a.c_t);
   const int row0 = i0 + warp * 16 + lane / 4;  // the thread's rows: row0 and row0 + 8
   for (int tile = 0; tile < k_tiles; ++tile) {
     const int stage = tile & 1;
@@ -73,14 +73,6 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
     warp_scores<kDs>(s, q_s + warp * 16 * s_len, k_s + stage * kBlockRows * s_len, d_s_pad);
     warp_scores<kDt>(t, q_t + warp * 16 * t_len, k_t + stage * kBlockRows * t_len, d_t_pad);
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kColTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // scores rounded once, as on the CPU
-        s[j][e] = __fmul_rn(s[j][e], a.c_s);
-        t[j][e] = __fmul_rn(t[j][e], a.c_t);
-      }
-    }
     const int j0 = tile * kBlockCols;
     const int col0 = j0 + 2 * (lane % 4);
     const bool masked = a.key_mask != nullptr || j0 + kBlockCols > a.n_k ||

@@ -15,7 +15,12 @@
 // folds of both warpgroups in lockstep and reloaded the queries at every tile
 // (benchmarks/NOTES.md). Compiled for every architecture, the kernel body exists only in the
 // sm_90a pass; the host launches it only where that binary is loaded.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
 
 #include "attention_tiles.cuh"
 #include "tma.h"
@@ -29,6 +34,7 @@ namespace attention {
 // unused internal member function draws nvcc warning 177.)
 struct AttentionMaps {
   CUtensorMap q_s, q_t, k_s, k_t;  // head_tensor_map: boxes of 128 queries, 128 keys
+  int64_t* timeline;               // the kTimeline build's clock stamps (below), else null
 };
 
 namespace {
@@ -49,6 +55,25 @@ static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may hav
 
 using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 128 score tile
 
+// A measuring build (NITROBREW_FWD_TIMELINE, below): clock64 stamps per block and key tile (the
+// first kTimelineTiles), kStamps each: per consumer warpgroup (warp 0, lane 0) before and after
+// the stage's wait, after its turn, after issuing, after the products, after the fold; then the
+// producer after each wait for a free stage. Where the tile step's time goes, in cycles.
+constexpr int kTimelineTiles = 64;
+enum Stamp { kWaitFull, kGotFull, kGotTurn, kIssued, kProductsDone, kFolded, kConsumerStamps };
+constexpr int kStamps = 2 * kConsumerStamps + 1;
+
+template <bool kTimeline>
+__device__ __forceinline__ void stamp(int64_t* timeline, int tile, int slot) {
+  if constexpr (kTimeline) {
+    if (tile < kTimelineTiles) {
+      long long t;
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+      timeline[(static_cast<int64_t>(blockIdx.x) * kTimelineTiles + tile) * kStamps + slot] = t;
+    }
+  }
+}
+
 // Named barriers 1 and 2: consumer warpgroup c waits on 1 + c before issuing its products and
 // then lets the other one go; each completes when both warpgroups (256 threads) reached it.
 __device__ __forceinline__ void turn_wait(int consumer) {
@@ -56,15 +81,6 @@ __device__ __forceinline__ void turn_wait(int consumer) {
 }
 __device__ __forceinline__ void turn_pass(int consumer) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(2 - consumer), "n"(kConsumerThreads) : "memory");
-}
-
-template <int kN>
-__device__ __forceinline__ void scale_scores(TileAcc<kN>& z, float c) {
-#pragma unroll
-  for (int j = 0; j < kN; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) z.v[j][e] = __fmul_rn(z.v[j][e], c);  // rounded once, as elsewhere
-  }
 }
 
 // acc = this warpgroup's 64 rows (of `rows`, `slabs` 32-wide slabs kRowSlabBytes apart) times the
@@ -82,7 +98,7 @@ __device__ __forceinline__ void issue_scores(Scores& acc, const uint8_t* rows, c
   }
 }
 
-template <typename T, bool kReverse>
+template <typename T, bool kReverse, bool kTimeline>
 __global__ void __launch_bounds__(kThreadCount, 1)
     attention_kl_fwd_hopper_kernel(const __grid_constant__ AttentionMaps maps, const AttentionArgs<T> a) {
 #if NITROBREW_SM90A_DEVICE
@@ -133,6 +149,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       hopper::RingPosition<kStages> slot;
       for (int tile = 0; tile < k_tiles; ++tile) {
         mbar_wait(&empty[slot.stage], slot.phase ^ 1);
+        stamp<kTimeline>(maps.timeline, tile, 2 * kConsumerStamps);
         uint8_t* stage = ring + slot.stage * kStageBytes;
         mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
         for (int ks = 0; ks < slabs_s; ++ks) {
@@ -150,30 +167,37 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     const int thread = threadIdx.x - kProducerThreads;
     const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
     const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
-    TwoRowKL state;
+    TwoRowKL state = TwoRowKL::make<kReverse>(a.c_s, a.c_t);
     if (k_tiles > 0) {
       mbar_wait(rows_full, 0);
       if (consumer == 1) turn_pass(consumer);  // warpgroup 0 multiplies first
     }
+    const bool stamps = kTimeline && thread % 128 == 0;
+    auto mark = [&](int tile, Stamp what) {
+      if (stamps) stamp<kTimeline>(maps.timeline, tile, consumer * kConsumerStamps + what);
+    };
     hopper::RingPosition<kStages> slot;
     for (int tile = 0; tile < k_tiles; ++tile) {
+      mark(tile, kWaitFull);
       mbar_wait(&full[slot.stage], slot.phase);
+      mark(tile, kGotFull);
       const uint8_t* stage = ring + slot.stage * kStageBytes;
       Scores s, t;
       turn_wait(consumer);
+      mark(tile, kGotTurn);
       issue_scores<T>(s, rows_s, stage, slabs_s, consumer);
       issue_scores<T>(t, rows_t, stage + kMaxSlabs * kColSlabBytes, slabs_t, consumer);
       wgmma_commit();
       turn_pass(consumer);
+      mark(tile, kIssued);
       wgmma_wait<0>();
       fence_acc(s);
       fence_acc(t);
+      mark(tile, kProductsDone);
       __syncwarp();  // the warp's products have read the stage before lane 0 releases it
       if (lane == 0) mbar_arrive(&empty[slot.stage]);
       slot.advance();
 
-      scale_scores(s, a.c_s);
-      scale_scores(t, a.c_t);
       const int j0 = tile * kCols, col0 = j0 + 2 * (lane % 4);
       const bool masked =
           a.key_mask != nullptr || j0 + kCols > a.n_k || (a.causal && j0 + kCols - 1 > a.last_key(i0));
@@ -184,6 +208,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       } else {
         state.fold<kReverse, false>(s, t, [](int, int) { return true; });
       }
+      mark(tile, kFolded);
     }
     // Warpgroup 1 passed the turn once more than warpgroup 0 took it: take it, so that no
     // arrival is left on the barrier when the block exits.
@@ -199,16 +224,44 @@ bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t) {
   return d_s <= kMaxSlabs * kK && d_t <= kMaxSlabs * kK;
 }
 
+// NITROBREW_FWD_TIMELINE=FILE (bfloat16, forward KL): runs the stamping build of the kernel and
+// writes its stamps to FILE (int64: blocks, kTimelineTiles, kStamps, then the stamps; each
+// block's clock is its SM's). Synchronizes the device: a measuring tool (tools/fwd_timeline.py).
+template <typename T>
+static bool run_timeline(AttentionMaps maps, const AttentionArgs<T>& a, int64_t blocks, cudaStream_t stream) {
+  const char* path = std::getenv("NITROBREW_FWD_TIMELINE");
+  if constexpr (!std::is_same_v<T, __nv_bfloat16>) return false;
+  if (path == nullptr || a.reverse) return false;
+  const int64_t count = blocks * kTimelineTiles * kStamps;
+  const at::Tensor stamps = at::zeros({count}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  maps.timeline = stamps.data_ptr<int64_t>();
+  auto* kernel = &attention_kl_fwd_hopper_kernel<__nv_bfloat16, false, true>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<static_cast<unsigned>(blocks), kThreadCount, kSmemBytes, stream>>>(
+      maps, reinterpret_cast<const AttentionArgs<__nv_bfloat16>&>(a));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor host = stamps.cpu();
+  const int64_t header[3] = {blocks, kTimelineTiles, kStamps};
+  FILE* f = std::fopen(path, "wb");
+  TORCH_CHECK(f != nullptr, "NITROBREW_FWD_TIMELINE: cannot write ", path);
+  std::fwrite(header, sizeof(int64_t), 3, f);
+  std::fwrite(host.data_ptr<int64_t>(), sizeof(int64_t), count, f);
+  std::fclose(f);
+  return true;
+}
+
 template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream) {
   TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
   const AttentionMaps maps{head_tensor_map(q_s, kRows), head_tensor_map(q_t, kRows), head_tensor_map(k_s, kCols),
-                           head_tensor_map(k_t, kCols)};
-  auto* kernel = a.reverse ? &attention_kl_fwd_hopper_kernel<T, true> : &attention_kl_fwd_hopper_kernel<T, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+                           head_tensor_map(k_t, kCols), nullptr};
   const int64_t blocks = a.batch * a.heads * ((a.n_q + kRows - 1) / kRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);
+  if (run_timeline(maps, a, blocks, stream)) return;
+  auto* kernel = a.reverse ? &attention_kl_fwd_hopper_kernel<T, true, false>
+                           : &attention_kl_fwd_hopper_kernel<T, false, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<static_cast<unsigned>(blocks), kThreadCount, kSmemBytes, stream>>>(maps, a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -161,87 +161,171 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The one-pass KL states of the two rows a thread holds (rows l/4 and l/4 + 8 of its warp),
-// each kept relative to a max shared by the row's 4 lanes so that their partial sums add.
+// The one-pass KL states of the two rows a thread holds (rows l/4 and l/4 + 8 of its warp), over
+// the thread's own columns (write_rows merges the row's 4 lanes), from unscaled scores.
+//
+// Sums are kept in base 2 relative to a reference point per row and model (ref_w, ref_o: scaled
+// scores times log2 e), not the running max: an entry adds e = 2^x with x = z c log2e - ref, one
+// FMA from the raw score z, so the exponentials never wait for a max over the tile (the max, its
+// shuffles and the rescale were half of the fold's instructions, and serialized the rest). The
+// reference moves only when a tile's exponentials would grow too large: each row checks that the
+// tile added at most kTileSumLimit to either sum (and nothing infinite or NaN); if not (the first
+// tile, where ref = -inf, always), the row's tile is folded again after moving the reference to
+// the tile's max. So every score of a passed tile lies at most log2(kTileSumLimit) above the
+// reference, and the saved (max, log_sum) = (reference, log of the sum) stay as exact as with the
+// max itself. a is kept as A = sum e_w (x_w - x_o), in which the references' large values cancel.
 struct TwoRowKL {
-  float max_w[2] = {kNegInf, kNegInf}, sum_w[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
-  float max_o[2] = {kNegInf, kNegInf}, sum_o[2] = {0.f, 0.f};
+  static constexpr float kTileSumLimit = 4096.f;
+  float cl_w, cl_o;  // c log2 e of the weighting and the other model
+  float ref_w[2] = {kNegInf, kNegInf}, ref_o[2] = {kNegInf, kNegInf};
+  float sum_w[2] = {0.f, 0.f}, sum_o[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
 
-  // Folds a tile of scaled student and teacher scores s, t (kNTiles n-tiles of 8 columns, read
-  // with .at(j, e)). The distribution w weighting the KL is the teacher's for forward KL and the
-  // student's for reverse KL (kReverse); o is the other one. kMasked: entries where
-  // visible(j, e) is false are skipped.
+ private:
+  // The weighting distribution's tile and the other one's.
+  template <bool kReverse, typename S, typename U>
+  __device__ __forceinline__ static const auto& tile_w(const S& s, const U& t) {
+    if constexpr (kReverse) {
+      return s;
+    } else {
+      return t;
+    }
+  }
+  template <bool kReverse, typename S, typename U>
+  __device__ __forceinline__ static const auto& tile_o(const S& s, const U& t) {
+    if constexpr (kReverse) {
+      return t;
+    } else {
+      return s;
+    }
+  }
+
+  template <int kNTiles, bool kMasked, typename Visible, typename F>
+  __device__ __forceinline__ static void for_entries(Visible visible, F f) {
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {  // unrolled: the tiles are registers
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kMasked) {
+          if (!visible(j, e)) continue;
+        }
+        f(j, e);
+      }
+    }
+  }
+
+  // The fast path: every (visible) entry's two exponentials and its share of a, relative to the
+  // current references. Each row's three sums are one dependency chain apiece.
+  template <bool kReverse, bool kMasked, typename S, typename U, typename Visible>
+  __device__ __forceinline__ void add(const S& s, const U& t, Visible visible) {
+    const auto& zw = tile_w<kReverse>(s, t);
+    const auto& zo = tile_o<kReverse>(s, t);
+    const float neg_w[2] = {-ref_w[0], -ref_w[1]};
+    const float neg_o[2] = {-ref_o[0], -ref_o[1]};
+#pragma unroll
+    for (int j = 0; j < S::kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (kMasked && !visible(j, e)) continue;
+        const int r = e / 2;
+        const float xw = fmaf(zw.at(j, e), cl_w, neg_w[r]);
+        const float xo = fmaf(zo.at(j, e), cl_o, neg_o[r]);
+        const float ew = exp2_approx(xw);
+        sum_w[r] += ew;
+        sum_o[r] += exp2_approx(xo);
+        a[r] = fmaf(ew, xw - xo, a[r]);
+      }
+    }
+  }
+
+  // Re-expresses row r's sums relative to new references (>= the current ones).
+  __device__ __forceinline__ void move_reference(int r, float new_w, float new_o) {
+    if (ref_w[r] == kNegInf) {  // nothing added yet (or only to other lanes' columns)
+      sum_w[r] = sum_o[r] = a[r] = 0.f;
+    } else {
+      const float shift_w = new_w - ref_w[r], shift_o = new_o - ref_o[r];
+      const float keep_w = exp2_approx(-shift_w);
+      a[r] = keep_w * fmaf(-(shift_w - shift_o), sum_w[r], a[r]);
+      sum_w[r] *= keep_w;
+      sum_o[r] *= exp2_approx(-shift_o);
+    }
+    ref_w[r] = new_w;
+    ref_o[r] = new_o;
+  }
+
+ public:
+  // c_s, c_t: score = c * z. The distribution w weighting the KL is the teacher's for forward KL
+  // and the student's for reverse KL (kReverse); o is the other one.
+  template <bool kReverse>
+  __device__ __forceinline__ static TwoRowKL make(float c_s, float c_t) {
+    TwoRowKL st;
+    st.cl_w = (kReverse ? c_s : c_t) * kLog2e;
+    st.cl_o = (kReverse ? c_t : c_s) * kLog2e;
+    return st;
+  }
+
+  // Folds a tile of raw student and teacher scores s, t (kNTiles n-tiles of 8 columns, read with
+  // .at(j, e)). kMasked: entries where visible(j, e) is false are skipped.
   template <bool kReverse, bool kMasked, typename S, typename U, typename Visible>
   __device__ __forceinline__ void fold(const S& s, const U& t, Visible visible) {
     static_assert(S::kNTiles == U::kNTiles, "student and teacher tiles differ in width");
-    constexpr int kN = S::kNTiles;
-    auto w = [&](int j, int e) { return kReverse ? s.at(j, e) : t.at(j, e); };
-    auto o = [&](int j, int e) { return kReverse ? t.at(j, e) : s.at(j, e); };
-    float tile_max_w[2] = {kNegInf, kNegInf}, tile_max_o[2] = {kNegInf, kNegInf};
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (kMasked && !visible(j, e)) continue;
-        tile_max_w[e / 2] = fmaxf(tile_max_w[e / 2], w(j, e));
-        tile_max_o[e / 2] = fmaxf(tile_max_o[e / 2], o(j, e));
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // every lane shuffles, before any row-dependent branch
-      tile_max_w[r] = quad_max(tile_max_w[r]);
-      tile_max_o[r] = quad_max(tile_max_o[r]);
-    }
+    const float before_w[2] = {sum_w[0], sum_w[1]};
+    const float before_o[2] = {sum_o[0], sum_o[1]};
+    const float before_a[2] = {a[0], a[1]};
+    add<kReverse, kMasked>(s, t, visible);
+    bool again[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (tile_max_w[r] == kNegInf) continue;  // nothing visible in this row of the tile
-      const float new_w = fmaxf(max_w[r], tile_max_w[r]), new_o = fmaxf(max_o[r], tile_max_o[r]);
-      const float keep_w = rescale(max_w[r], new_w), keep_o = rescale(max_o[r], new_o);
-      sum_w[r] *= keep_w;
-      a[r] *= keep_w;
-      sum_o[r] *= keep_o;
-      max_w[r] = new_w;
-      max_o[r] = new_o;
+      again[r] = !(sum_w[r] - before_w[r] <= kTileSumLimit && sum_o[r] - before_o[r] <= kTileSumLimit);
     }
-    // exp(x - max) as 2^(x log2e - max log2e): one FMA before the special-function unit (the
-    // product is exact inside the FMA, so entries at the max give 2^(rounding of max log2e)).
-    const float max_w2[2] = {max_w[0] * kLog2e, max_w[1] * kLog2e};
-    const float max_o2[2] = {max_o[0] * kLog2e, max_o[1] * kLog2e};
+    if (again[0] || again[1]) {  // rare after the first tile
+      const auto& zw = tile_w<kReverse>(s, t);
+      const auto& zo = tile_o<kReverse>(s, t);
+      float max_w[2] = {kNegInf, kNegInf};
+      float max_o[2] = {kNegInf, kNegInf};
+      for_entries<S::kNTiles, kMasked>(visible, [&](int j, int e) {
+        max_w[e / 2] = fmaxf(max_w[e / 2], zw.at(j, e) * cl_w);
+        max_o[e / 2] = fmaxf(max_o[e / 2], zo.at(j, e) * cl_o);
+      });
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        if (kMasked && !visible(j, e)) continue;
-        const float wv = w(j, e), ov = o(j, e);  // one read each (a parked tile reads shared memory)
-        const float ew = exp2_approx(fmaf(wv, kLog2e, -max_w2[r]));
-        sum_w[r] += ew;
-        a[r] = fmaf(ew, wv - ov, a[r]);
-        sum_o[r] += exp2_approx(fmaf(ov, kLog2e, -max_o2[r]));
+      for (int r = 0; r < 2; ++r) {
+        if (!again[r]) continue;
+        sum_w[r] = before_w[r];
+        sum_o[r] = before_o[r];
+        a[r] = before_a[r];
+        move_reference(r, fmaxf(ref_w[r], max_w[r]), fmaxf(ref_o[r], max_o[r]));
       }
+      add<kReverse, true>(s, t, [&](int j, int e) {
+        if constexpr (kMasked) {
+          return again[e / 2] && visible(j, e);
+        } else {
+          return again[e / 2];
+        }
+      });
     }
   }
 
   // Writes the losses and statistics of the thread's rows row0 and row0 + 8 of head bh (every
   // lane takes part in the reductions; lane % 4 == 0 writes). Rows that see no key get zeros.
   template <bool kReverse, typename T>
-  __device__ __forceinline__ void write_rows(const AttentionArgs<T>& args, int64_t bh, int row0, int lane) const {
+  __device__ __forceinline__ void write_rows(const AttentionArgs<T>& args, int64_t bh, int row0, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      move_reference(r, quad_max(ref_w[r]), quad_max(ref_o[r]));  // the row's 4 lanes alike
       const float total_w = quad_sum(sum_w[r]), total_o = quad_sum(sum_o[r]), total_a = quad_sum(a[r]);
       const int i = row0 + 8 * r;
       if (lane % 4 != 0 || i >= args.n_q) continue;
       const int64_t row = bh * args.n_q + i;
       float* stats = args.row_stats + row * kNumAttentionRowStats;
-      if (max_w[r] == kNegInf) {
+      if (ref_w[r] == kNegInf) {
         args.loss[row] = 0.f;
         for (int c = 0; c < kNumAttentionRowStats; ++c) stats[c] = 0.f;
         continue;
       }
+      constexpr float kLn2 = 0.6931471805599453f;
       KLState<float> kl;
-      kl.w = {max_w[r], total_w};
-      kl.o = {max_o[r], total_o};
-      kl.a = total_a;
+      kl.w = {ref_w[r] * kLn2, total_w};
+      kl.o = {ref_o[r] * kLn2, total_o};
+      kl.a = fmaf(total_a, kLn2, (kl.w.m - kl.o.m) * total_w);  // sum e_w (w - o), scaled scores
       args.loss[row] = store_kl_row(finish_kl_row(kl, kReverse), stats);
     }
   }
