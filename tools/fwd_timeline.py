@@ -51,15 +51,16 @@ def overlap(a0, a1, b0, b1):
 
 def summarize(st: np.ndarray) -> dict:
     per = len(NAMES)
-    wg = [st[:, :, c * per:(c + 1) * per] for c in range(2)]
-    producer = st[:, :, 2 * per]
-    valid = (wg[0][:, :, 0] > 0) & (wg[1][:, :, 5] > 0)
+    consumers = (st.shape[2] - 1) // per
+    wg = [st[:, :, c * per:(c + 1) * per] for c in range(consumers)]
+    producer = st[:, :, consumers * per]
+    valid = (wg[0][:, :, 0] > 0) & (wg[-1][:, :, 5] > 0)
     # Steady tiles: from the third to the one before each block's last.
     counts = valid.sum(axis=1)
     idx = np.arange(st.shape[1])[None, :]
     steady = valid & (idx >= 2) & (idx < counts[:, None] - 1)
-    out = {"blocks": st.shape[0], "tiles_per_block_median": float(np.median(counts))}
-    for c in range(2):
+    out = {"consumers": consumers, "blocks": st.shape[0], "tiles_per_block_median": float(np.median(counts))}
+    for c in range(consumers):
         x = wg[c]
         parts = {
             "stage_wait": x[:, :, 1] - x[:, :, 0],
@@ -74,19 +75,33 @@ def summarize(st: np.ndarray) -> dict:
             out[f"wg{c}_{name}"] = float(np.median(v[steady]))
             out[f"wg{c}_{name}_mean"] = float(np.mean(v[steady]))
     # The producer's stamp is taken when a stage is free for tile j; the consumers get it at got_full.
-    load = np.minimum(wg[0][:, :, 1], wg[1][:, :, 1]) - producer
+    load = np.min([w[:, :, 1] for w in wg], axis=0) - producer
     out["load_to_first_consumer"] = float(np.median(load[steady]))
-    # How much of warpgroup c's fold runs while the other's products are in flight.
-    for c in range(2):
-        o = 1 - c
+    # How much of warpgroup c's fold runs while another's products are in flight (from its turn, as
+    # issuing waits for the tensor cores, to their end), of the same tile or the next.
+    for c in range(consumers):
         fold0, fold1 = wg[c][:, :, 4], wg[c][:, :, 5]
-        # The other's products (from its turn, as issuing waits for the tensor cores, to their
-        # end) of the same tile (warpgroup 1 multiplies after 0) or of the next.
-        same = overlap(fold0, fold1, wg[o][:, :, 2], wg[o][:, :, 4])
-        nxt = overlap(fold0, fold1, np.roll(wg[o][:, :, 2], -1, axis=1), np.roll(wg[o][:, :, 4], -1, axis=1))
-        frac = (same + nxt) / np.maximum(fold1 - fold0, 1)
+        covered = np.zeros_like(fold0)
+        for o in range(consumers):
+            if o == c:
+                continue
+            for shift in (0, -1):
+                start, end = (np.roll(wg[o][:, :, k], shift, axis=1) for k in (2, 4))
+                covered = covered + overlap(fold0, fold1, start, end)
+        frac = covered / np.maximum(fold1 - fold0, 1)
         out[f"wg{c}_fold_overlapped_by_other_products"] = float(np.median(frac[steady]))
     return out
+
+
+def print_tiles(st: np.ndarray):
+    """One block's stamps per tile, in cycles from its first: when each warpgroup reached each
+    point, and when the producer found the tile's stage free."""
+    t0 = st[st > 0].min()
+    consumers = (st.shape[1] - 1) // len(NAMES)
+    names = [f"wg{c}_{n}" for c in range(consumers) for n in NAMES] + ["producer_free"]
+    print("tile " + " ".join(f"{n[:17]:>17s}" for n in names))
+    for j, row in enumerate(st):
+        print(f"{j:4d} " + " ".join(f"{int(v - t0) if v else -1:17d}" for v in row))
 
 
 def main():
@@ -96,8 +111,12 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--out", help="CSV to append the summary to")
+    parser.add_argument("--dump", type=int, default=0, help="print the stamps of this many tiles of block 0")
     args = parser.parse_args()
-    summary = {"n": args.n, "causal": args.causal, **summarize(stamps_of(args.n, args.causal, args.heads, args.dim))}
+    stamps = stamps_of(args.n, args.causal, args.heads, args.dim)
+    if args.dump:
+        print_tiles(stamps[0, :args.dump])
+    summary = {"n": args.n, "causal": args.causal, **summarize(stamps)}
     for k, v in summary.items():
         print(f"{k:40s} {v:.1f}" if isinstance(v, float) else f"{k:40s} {v}")
     if args.out:

@@ -1,20 +1,19 @@
 // Attention-KL forward on Hopper (sm_90a), head dims up to 128: TMA + wgmma with both models'
-// query rows resident in shared memory and the two consumer warpgroups in ping-pong.
+// query rows resident in shared memory and three consumer warpgroups taking turns on the tensor
+// cores.
 //
-// A block owns 128 query rows of one head. Thread 0 of a producer warpgroup loads the rows of
+// A block owns 192 query rows of one head. Thread 0 of a producer warpgroup loads the rows of
 // both models once (4-D TMA boxes straight from the [B, N, H, D] tensors, 32-wide head-dim slabs
-// in 64-byte swizzled rows), then streams 128-key tiles of both models through a ring of two
-// stages. Each of two consumer warpgroups owns 64 rows; per key tile it
-//   1. multiplies its student and teacher rows by the tile's keys (wgmma.m64n128k16, both
-//      operands in shared memory): the two 64 x 128 score tiles, in registers (64 each);
+// in 64-byte swizzled rows), then streams 96-key tiles of both models through a ring of two
+// stages. Each of three consumer warpgroups owns 64 rows; per key tile it
+//   1. multiplies its student and teacher rows by the tile's keys (wgmma.m64n96k16, both
+//      operands in shared memory): the two 64 x 96 score tiles, in registers (48 each);
 //   2. folds both into its rows' one-pass KL states (TwoRowKL, shared with the mma.sync kernel).
-// The score products of one warpgroup run on the tensor cores while the other folds: a pair of
-// named barriers makes the two issue their products in turn (0, 1, 0, 1, ...), so that neither
-// the tensor cores nor the special-function units (two exponentials per score pair) wait for
-// the other's work (the FlashAttention-3 schedule). The previous kernel ran the products and the
-// folds of both warpgroups in lockstep and reloaded the queries at every tile
-// (benchmarks/NOTES.md). Compiled for every architecture, the kernel body exists only in the
-// sm_90a pass; the host launches it only where that binary is loaded.
+// Named barriers make the warpgroups issue their products in turn (0, 1, 2, 0, ...), so that the
+// tensor cores multiply for one while the other two fold (FlashAttention-3's ping-pong, with a
+// third warpgroup because the fold, two exponentials per score pair, takes about twice as long
+// as the products: benchmarks/NOTES.md, v10). Compiled for every architecture, the kernel body
+// exists only in the sm_90a pass; the host launches it only where that binary is loaded.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -33,27 +32,37 @@ namespace attention {
 // (Outside the anonymous namespace: in the passes where the kernel body is compiled out, an
 // unused internal member function draws nvcc warning 177.)
 struct AttentionMaps {
-  CUtensorMap q_s, q_t, k_s, k_t;  // head_tensor_map: boxes of 128 queries, 128 keys
+  CUtensorMap q_s, q_t, k_s, k_t;  // head_tensor_map: boxes of 192 queries, 96 keys
   int64_t* timeline;               // the kTimeline build's clock stamps (below), else null
 };
 
 namespace {
 
-constexpr int kRows = 128;      // queries per block: 2 consumer warpgroups x 64
-constexpr int kCols = 128;      // keys per tile (the wgmma N)
 constexpr int kK = hopper::kK;  // 32 values: one 64-byte swizzled row, as head_tensor_map loads
 constexpr int kMaxSlabs = 4;    // head dims up to 128
 constexpr int kStages = 2;
+constexpr int kProducerThreads = 128;
+
+// Three consumer warpgroups of 64 query rows each beside the producer warpgroup: a warpgroup's fold
+// (two exponentials per score pair) takes about twice its products' time, so with two (the
+// previous block: 128 queries x 128 keys) the tensor cores idled while both folded; with three,
+// two fold while one multiplies. Registers: 160 per consumer thread (the producer keeps 24), so
+// the key tiles are 96 wide (two 64 x 96 score tiles, 96 registers).
+constexpr int kConsumers = 3;
+constexpr int kRows = 64 * kConsumers;  // queries per block
+constexpr int kCols = 96;               // keys per tile (the wgmma N)
+constexpr int kConsumerThreads = 128 * kConsumers, kThreadCount = kProducerThreads + kConsumerThreads;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kConsumerRegisters = 160;
 constexpr int kRowSlabBytes = kRows * kK * 2;
 constexpr int kColSlabBytes = kCols * kK * 2;
 constexpr int kRowBytes = kMaxSlabs * kRowSlabBytes;  // one model's rows
 constexpr int kStageBytes = 2 * kMaxSlabs * kColSlabBytes;
-constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreadCount = 384;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + (2 * kStages + 1) * 8;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
+static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * 24 <= 65536, "more registers than an SM has");
 
-using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 128 score tile
+using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 96 score tile
 
 // A measuring build (NITROBREW_FWD_TIMELINE, below): clock64 stamps per block and key tile (the
 // first kTimelineTiles), kStamps each: per consumer warpgroup (warp 0, lane 0) before and after
@@ -61,7 +70,7 @@ using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 128 s
 // producer after each wait for a free stage. Where the tile step's time goes, in cycles.
 constexpr int kTimelineTiles = 64;
 enum Stamp { kWaitFull, kGotFull, kGotTurn, kIssued, kProductsDone, kFolded, kConsumerStamps };
-constexpr int kStamps = 2 * kConsumerStamps + 1;
+constexpr int kStamps = kConsumers * kConsumerStamps + 1;
 
 template <bool kTimeline>
 __device__ __forceinline__ void stamp(int64_t* timeline, int tile, int slot) {
@@ -74,13 +83,14 @@ __device__ __forceinline__ void stamp(int64_t* timeline, int tile, int slot) {
   }
 }
 
-// Named barriers 1 and 2: consumer warpgroup c waits on 1 + c before issuing its products and
-// then lets the other one go; each completes when both warpgroups (256 threads) reached it.
+// Named barriers 1 .. kConsumers: consumer warpgroup c waits on 1 + c before issuing its products
+// and then lets the next one (c + 1, cyclically) go; each completes when the two warpgroups (256
+// threads) reached it.
 __device__ __forceinline__ void turn_wait(int consumer) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + consumer), "n"(kConsumerThreads) : "memory");
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
 }
 __device__ __forceinline__ void turn_pass(int consumer) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(2 - consumer), "n"(kConsumerThreads) : "memory");
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % kConsumers) : "memory");
 }
 
 // acc = this warpgroup's 64 rows (of `rows`, `slabs` 32-wide slabs kRowSlabBytes apart) times the
@@ -89,7 +99,7 @@ template <typename T>
 __device__ __forceinline__ void issue_scores(Scores& acc, const uint8_t* rows, const uint8_t* cols, int slabs,
                                              int consumer) {
   for (int ks = 0; ks < slabs; ++ks) {
-    const uint64_t da = hopper::smem_desc(rows + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
+    const uint64_t da = hopper::smem_desc(rows + ks * kRowSlabBytes + consumer * (kRowSlabBytes / kConsumers));
     const uint64_t db = hopper::smem_desc(cols + ks * kColSlabBytes);
     hopper::fence_acc(acc);
     hopper::wgmma_fence();
@@ -149,7 +159,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       hopper::RingPosition<kStages> slot;
       for (int tile = 0; tile < k_tiles; ++tile) {
         mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-        stamp<kTimeline>(maps.timeline, tile, 2 * kConsumerStamps);
+        stamp<kTimeline>(maps.timeline, tile, kConsumers * kConsumerStamps);
         uint8_t* stage = ring + slot.stage * kStageBytes;
         mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
         for (int ks = 0; ks < slabs_s; ++ks) {
@@ -163,14 +173,14 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     const int thread = threadIdx.x - kProducerThreads;
     const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
     const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
     TwoRowKL state = TwoRowKL::make<kReverse>(a.c_s, a.c_t);
     if (k_tiles > 0) {
       mbar_wait(rows_full, 0);
-      if (consumer == 1) turn_pass(consumer);  // warpgroup 0 multiplies first
+      if (consumer == kConsumers - 1) turn_pass(consumer);  // warpgroup 0 multiplies first
     }
     const bool stamps = kTimeline && thread % 128 == 0;
     auto mark = [&](int tile, Stamp what) {
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       }
       mark(tile, kFolded);
     }
-    // Warpgroup 1 passed the turn once more than warpgroup 0 took it: take it, so that no
+    // The last warpgroup passed the turn once more than warpgroup 0 took it: take it, so that no
     // arrival is left on the barrier when the block exits.
     if (k_tiles > 0 && consumer == 0) turn_wait(consumer);
     state.write_rows<kReverse>(a, bh, row0, lane);
@@ -218,17 +228,11 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 #endif
 }
 
-}  // namespace
-
-bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t) {
-  return d_s <= kMaxSlabs * kK && d_t <= kMaxSlabs * kK;
-}
-
 // NITROBREW_FWD_TIMELINE=FILE (bfloat16, forward KL): runs the stamping build of the kernel and
-// writes its stamps to FILE (int64: blocks, kTimelineTiles, kStamps, then the stamps; each
-// block's clock is its SM's). Synchronizes the device: a measuring tool (tools/fwd_timeline.py).
+// writes its stamps to FILE (int64: blocks, kTimelineTiles, kStamps, then the stamps; each block's
+// clock is its SM's). Synchronizes the device: a measuring tool (tools/fwd_timeline.py).
 template <typename T>
-static bool run_timeline(AttentionMaps maps, const AttentionArgs<T>& a, int64_t blocks, cudaStream_t stream) {
+bool run_timeline(AttentionMaps maps, const AttentionArgs<T>& a, int64_t blocks, cudaStream_t stream) {
   const char* path = std::getenv("NITROBREW_FWD_TIMELINE");
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) return false;
   if (path == nullptr || a.reverse) return false;
@@ -248,6 +252,12 @@ static bool run_timeline(AttentionMaps maps, const AttentionArgs<T>& a, int64_t 
   std::fwrite(host.data_ptr<int64_t>(), sizeof(int64_t), count, f);
   std::fclose(f);
   return true;
+}
+
+}  // namespace
+
+bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t) {
+  return d_s <= kMaxSlabs * kK && d_t <= kMaxSlabs * kK;
 }
 
 template <typename T>

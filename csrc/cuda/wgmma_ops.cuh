@@ -28,6 +28,17 @@ namespace hopper {
       : NITROBREW_ACC_0_7(d) \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 
+// d (+)= A . B^T, 64 x 96 x 16; scale_d = 0 overwrites d.
+#define NITROBREW_WGMMA_SS_N96(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32." TYPE "." TYPE " " \
+      "{" NITROBREW_REGS_0_31 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, " \
+      "%48, %49, p, 1, 1, 0, 0;\n}\n" \
+      : NITROBREW_ACC_0_7(d), NITROBREW_ACC_TILE(d, 8), NITROBREW_ACC_TILE(d, 9), NITROBREW_ACC_TILE(d, 10), \
+        NITROBREW_ACC_TILE(d, 11) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+
 // d (+)= A . B^T, 64 x 128 x 16; scale_d = 0 overwrites d.
 #define NITROBREW_WGMMA_SS_N128(TYPE) \
   asm volatile( \
@@ -75,11 +86,13 @@ namespace hopper {
 
 template <typename T, int kN>
 __device__ __forceinline__ void wgmma_ss(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  static_assert(kN == 8 || kN == 16, "B widths of 64 and 128");
+  static_assert(kN == 8 || kN == 12 || kN == 16, "B widths of 64, 96 and 128");
 #if NITROBREW_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (kN == 8 && kBf16) NITROBREW_WGMMA_SS_N64("bf16");
   if constexpr (kN == 8 && !kBf16) NITROBREW_WGMMA_SS_N64("f16");
+  if constexpr (kN == 12 && kBf16) NITROBREW_WGMMA_SS_N96("bf16");
+  if constexpr (kN == 12 && !kBf16) NITROBREW_WGMMA_SS_N96("f16");
   if constexpr (kN == 16 && kBf16) NITROBREW_WGMMA_SS_N128("bf16");
   if constexpr (kN == 16 && !kBf16) NITROBREW_WGMMA_SS_N128("f16");
 #endif
