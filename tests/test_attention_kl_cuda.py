@@ -75,7 +75,7 @@ def test_backward_kernel_family(monkeypatch, forced_sm80, d_s, d_t, deterministi
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa,d_s,d_t", [("student", 128, 64), ("both", 64, 128), ("teacher", 72, 120)])
 def test_long_sequences(causal, gqa, d_s, d_t):
-    # Many 64-wide column tiles per block (the stage ring wraps several times), 128-row blocks
+    # Many key tiles per block (the stage ring wraps several times), row blocks (64 to 192 rows)
     # that divide neither length, head dims that are not multiples of the 32-wide slabs; with
     # "student" GQA the teacher's key head changes inside a dk block's query heads.
     q_s, k_s, q_t, k_t, mask = cuda_attention(b=2, n_q=651, n_k=583, heads=4, gqa=gqa, d_s=d_s, d_t=d_t,
