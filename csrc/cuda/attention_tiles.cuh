@@ -181,21 +181,14 @@ struct TwoRowKL {
   float sum_w[2] = {0.f, 0.f}, sum_o[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
 
  private:
-  // The weighting distribution's tile and the other one's.
-  template <bool kReverse, typename S, typename U>
-  __device__ __forceinline__ static const auto& tile_w(const S& s, const U& t) {
-    if constexpr (kReverse) {
+  // s if kFirst, else t: the weighting distribution's tile is pick<kReverse>, the other's
+  // pick<!kReverse>.
+  template <bool kFirst, typename S, typename U>
+  __device__ __forceinline__ static const auto& pick(const S& s, const U& t) {
+    if constexpr (kFirst) {
       return s;
     } else {
       return t;
-    }
-  }
-  template <bool kReverse, typename S, typename U>
-  __device__ __forceinline__ static const auto& tile_o(const S& s, const U& t) {
-    if constexpr (kReverse) {
-      return t;
-    } else {
-      return s;
     }
   }
 
@@ -217,8 +210,8 @@ struct TwoRowKL {
   // current references. Each row's three sums are one dependency chain apiece.
   template <bool kReverse, bool kMasked, typename S, typename U, typename Visible>
   __device__ __forceinline__ void add(const S& s, const U& t, Visible visible) {
-    const auto& zw = tile_w<kReverse>(s, t);
-    const auto& zo = tile_o<kReverse>(s, t);
+    const auto& zw = pick<kReverse>(s, t);
+    const auto& zo = pick<!kReverse>(s, t);
     const float neg_w[2] = {-ref_w[0], -ref_w[1]};
     const float neg_o[2] = {-ref_o[0], -ref_o[1]};
 #pragma unroll
@@ -278,8 +271,8 @@ struct TwoRowKL {
       again[r] = !(sum_w[r] - before_w[r] <= kTileSumLimit && sum_o[r] - before_o[r] <= kTileSumLimit);
     }
     if (again[0] || again[1]) {  // rare after the first tile
-      const auto& zw = tile_w<kReverse>(s, t);
-      const auto& zo = tile_o<kReverse>(s, t);
+      const auto& zw = pick<kReverse>(s, t);
+      const auto& zo = pick<!kReverse>(s, t);
       float max_w[2] = {kNegInf, kNegInf};
       float max_o[2] = {kNegInf, kNegInf};
       for_entries<S::kNTiles, kMasked>(visible, [&](int j, int e) {
