@@ -214,20 +214,15 @@ struct TwoRowKL {
     const auto& zo = pick<!kReverse>(s, t);
     const float neg_w[2] = {-ref_w[0], -ref_w[1]};
     const float neg_o[2] = {-ref_o[0], -ref_o[1]};
-#pragma unroll
-    for (int j = 0; j < S::kNTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (kMasked && !visible(j, e)) continue;
-        const int r = e / 2;
-        const float xw = fmaf(zw.at(j, e), cl_w, neg_w[r]);
-        const float xo = fmaf(zo.at(j, e), cl_o, neg_o[r]);
-        const float ew = exp2_approx(xw);
-        sum_w[r] += ew;
-        sum_o[r] += exp2_approx(xo);
-        a[r] = fmaf(ew, xw - xo, a[r]);
-      }
-    }
+    for_entries<S::kNTiles, kMasked>(visible, [&](int j, int e) {
+      const int r = e / 2;
+      const float xw = fmaf(zw.at(j, e), cl_w, neg_w[r]);
+      const float xo = fmaf(zo.at(j, e), cl_o, neg_o[r]);
+      const float ew = exp2_approx(xw);
+      sum_w[r] += ew;
+      sum_o[r] += exp2_approx(xo);
+      a[r] = fmaf(ew, xw - xo, a[r]);
+    });
   }
 
   // Re-expresses row r's sums relative to new references (>= the current ones).
