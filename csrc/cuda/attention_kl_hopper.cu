@@ -93,21 +93,6 @@ __device__ __forceinline__ void turn_pass(int consumer) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % kConsumers) : "memory");
 }
 
-// acc = this warpgroup's 64 rows (of `rows`, `slabs` 32-wide slabs kRowSlabBytes apart) times the
-// tile's keys (`cols`, slabs kColSlabBytes apart), issued asynchronously (not committed).
-template <typename T>
-__device__ __forceinline__ void issue_scores(Scores& acc, const uint8_t* rows, const uint8_t* cols, int slabs,
-                                             int consumer) {
-  for (int ks = 0; ks < slabs; ++ks) {
-    const uint64_t da = hopper::smem_desc(rows + ks * kRowSlabBytes + consumer * (kRowSlabBytes / kConsumers));
-    const uint64_t db = hopper::smem_desc(cols + ks * kColSlabBytes);
-    hopper::fence_acc(acc);
-    hopper::wgmma_fence();
-    hopper::wgmma_ss<T>(acc, da, db, ks > 0);
-    hopper::wgmma_ss<T>(acc, da + 2, db + 2, 1);
-  }
-}
-
 template <typename T, bool kReverse, bool kTimeline>
 __global__ void __launch_bounds__(kThreadCount, 1)
     attention_kl_fwd_hopper_kernel(const __grid_constant__ AttentionMaps maps, const AttentionArgs<T> a) {
@@ -175,7 +160,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     const int thread = threadIdx.x - kProducerThreads;
-    const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+    // Read through a shuffle from lane 0, so that the compiler knows it is the same in the whole
+    // warp and keeps what derives from it (the descriptors) in uniform registers.
+    const int consumer = __shfl_sync(0xffffffffu, thread / 128, 0);
+    const int warp = (thread / 32) % 4, lane = thread % 32;
     const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
     TwoRowKL state = TwoRowKL::make<kReverse>(a.c_s, a.c_t);
     if (k_tiles > 0) {
@@ -186,17 +174,23 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     auto mark = [&](int tile, Stamp what) {
       if (stamps) stamp<kTimeline>(maps.timeline, tile, consumer * kConsumerStamps + what);
     };
+    const uint64_t rows_desc_s = smem_desc(rows_s + consumer * (kRowSlabBytes / kConsumers));
+    const uint64_t rows_desc_t = smem_desc(rows_t + consumer * (kRowSlabBytes / kConsumers));
+    const uint64_t ring_desc = smem_desc(ring);
+    const uint32_t full_addr = smem_addr(full), empty_addr = smem_addr(empty);
     hopper::RingPosition<kStages> slot;
     for (int tile = 0; tile < k_tiles; ++tile) {
       mark(tile, kWaitFull);
-      mbar_wait(&full[slot.stage], slot.phase);
+      mbar_wait(full_addr + 8 * slot.stage, slot.phase);
       mark(tile, kGotFull);
-      const uint8_t* stage = ring + slot.stage * kStageBytes;
       Scores s, t;
       turn_wait(consumer);
       mark(tile, kGotTurn);
-      issue_scores<T>(s, rows_s, stage, slabs_s, consumer);
-      issue_scores<T>(t, rows_t, stage + kMaxSlabs * kColSlabBytes, slabs_t, consumer);
+      const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
+      wgmma_fence();  // once: a sequence of products into one accumulator needs no fence between
+      wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, rows_desc_s, stage_desc, slabs_s);
+      wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, rows_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
+                                                       slabs_t);
       wgmma_commit();
       turn_pass(consumer);
       mark(tile, kIssued);
@@ -205,7 +199,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       fence_acc(t);
       mark(tile, kProductsDone);
       __syncwarp();  // the warp's products have read the stage before lane 0 releases it
-      if (lane == 0) mbar_arrive(&empty[slot.stage]);
+      if (lane == 0) mbar_arrive(empty_addr + 8 * slot.stage);
       slot.advance();
 
       const int j0 = tile * kCols, col0 = j0 + 2 * (lane % 4);

@@ -110,37 +110,30 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int thread = threadIdx.x - kProducerThreads;
-  const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+  // consumer read through a shuffle from lane 0, so that the descriptors derived from it stay in
+  // uniform registers (as in attention_kl_hopper.cu).
+  const int consumer = __shfl_sync(0xffffffffu, thread / 128, 0);
+  const int warp = (thread / 32) % 4, lane = thread % 32;
   const int my_row0 = row0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's queries: +0, +8
   TileAcc<kDs / 8> grad;
   grad.zero();
   const GradRow row_stats[2] = {load_grad_row(a, bh, my_row0, grad_scale), load_grad_row(a, bh, my_row0 + 8, grad_scale)};
   if (items > 0) mbar_wait(rows_full, 0);
+  const uint64_t rows_desc_s = smem_desc(rows_s + consumer * (kRowSlabBytes / 2));
+  const uint64_t rows_desc_t = smem_desc(rows_t + consumer * (kRowSlabBytes / 2));
+  const uint64_t ring_desc = smem_desc(ring), ring_mn_desc = mn_major_desc(ring, kColSlabBytes);
+  const uint32_t full_addr = smem_addr(full), empty_addr = smem_addr(empty);
   RingPosition<kStages> slot;
   for (int it = 0; it < items; ++it) {
-    mbar_wait(&full[slot.stage], slot.phase);
-    const uint8_t* stage = ring + slot.stage * kStageBytes;
+    mbar_wait(full_addr + 8 * slot.stage, slot.phase);
 
     // 1. The student's and the teacher's 64 x 64 scores.
-    // (fence_acc at each step, as in hopper_gemm.cuh, keeps the accumulators in place: without
-    // it ptxas serialized the products with warpgroup.arrive instructions of its own.)
     TileAcc<8> s, t;
-    for (int ks = 0; ks < slabs_s; ++ks) {
-      const uint64_t da = smem_desc(rows_s + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
-      const uint64_t db = smem_desc(stage + ks * kColSlabBytes);
-      fence_acc(s);
-      wgmma_fence();
-      wgmma_ss<T>(s, da, db, ks > 0);
-      wgmma_ss<T>(s, da + 2, db + 2, 1);
-    }
-    for (int ks = 0; ks < slabs_t; ++ks) {
-      const uint64_t da = smem_desc(rows_t + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
-      const uint64_t db = smem_desc(stage + (kMaxSlabs + ks) * kColSlabBytes);
-      fence_acc(t);
-      wgmma_fence();
-      wgmma_ss<T>(t, da, db, ks > 0);
-      wgmma_ss<T>(t, da + 2, db + 2, 1);
-    }
+    const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
+    wgmma_fence();
+    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, rows_desc_s, stage_desc, slabs_s);
+    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, rows_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
+                                                     slabs_t);
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(s);
@@ -179,12 +172,14 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     fence_acc(grad);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_rs<T, kDs / 8>(grad, ds[k], mn_major_desc(stage + k * 1024, kColSlabBytes), 1);
+    for (int k = 0; k < 4; ++k) {
+      wgmma_rs<T, kDs / 8>(grad, ds[k], ring_mn_desc + slot.stage * desc_step(kStageBytes) + k * desc_step(1024), 1);
+    }
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(grad);
     __syncwarp();  // the warp's reads of the stage before lane 0 releases it
-    if (lane == 0) mbar_arrive(&empty[slot.stage]);
+    if (lane == 0) mbar_arrive(empty_addr + 8 * slot.stage);
     slot.advance();
   }
 

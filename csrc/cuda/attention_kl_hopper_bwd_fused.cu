@@ -200,7 +200,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int thread = threadIdx.x - kProducerThreads;
-  const int consumer = thread / 128, wg_thread = thread % 128, warp = wg_thread / 32, lane = thread % 32;
+  // consumer read through a shuffle from lane 0: the compiler then knows it is the same in the
+  // whole warp and keeps the descriptors derived from it in uniform registers.
+  const int consumer = __shfl_sync(0xffffffffu, thread / 128, 0);
+  const int wg_thread = thread % 128, warp = wg_thread / 32, lane = thread % 32;
   const int key_base = 64 * consumer + 16 * warp + lane / 4;  // the thread's keys: +0, +8 (block-relative)
   const int my_key0 = blk.row0 + key_base;
   bool key_ok[2];
@@ -248,33 +251,31 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
     mbar_wait(keys_s_full, 0);
   }
-  // S^T of one model, 64 keys x 64 queries (fence_acc at each step, as in hopper_gemm.cuh, keeps
-  // the accumulators in place), issued and committed, not waited for.
-  auto issue_scores = [&](TileAcc<8>& acc, const uint8_t* keys, const uint8_t* queries, int slabs) {
-    for (int ks = 0; ks < slabs; ++ks) {
-      const uint64_t da = smem_desc(keys + ks * kRowSlabBytes + consumer * (kRowSlabBytes / 2));
-      const uint64_t db = smem_desc(queries + ks * kColSlabBytes);
-      fence_acc(acc);
-      wgmma_fence();
-      wgmma_ss<T>(acc, da, db, ks > 0);
-      wgmma_ss<T>(acc, da + 2, db + 2, 1);
-    }
-    wgmma_commit();
-  };
+  // Descriptors computed once (the loop adds offsets): this warpgroup's keys of both models, the
+  // ring's queries (K-major for the scores, MN-major for dk), the dS tiles and its half of K_s.
+  const uint64_t keys_desc_s = smem_desc(keys_s + consumer * (kRowSlabBytes / 2));
+  const uint64_t keys_desc_t = smem_desc(keys_t + consumer * (kRowSlabBytes / 2));
+  const uint64_t ring_desc = smem_desc(ring), ring_mn_desc = mn_major_desc(ring, kColSlabBytes);
+  const uint64_t ds_mn_desc = mn_major_desc(ds_tiles, kDsSlabBytes);
+  const uint64_t k_half_mn_desc = mn_major_desc(keys_s + consumer * (kDs / 2 / kK) * kRowSlabBytes, kRowSlabBytes);
+  const uint32_t full_addr = smem_addr(full), empty_addr = smem_addr(empty);
   int loaded_t = -1, reloads = 0;
   RingPosition<kStages> slot;
 
   for (int it = 0; it < blk.items; ++it) {
-    // 1. S^T of both models.
+    // 1. S^T of both models, 64 keys x 64 queries, issued and committed, not waited for.
     if (cur.head_t != loaded_t) {  // GQA: the teacher's keys of this query head
       mbar_wait(keys_t_full, (reloads++) & 1);
       loaded_t = cur.head_t;
     }
-    mbar_wait(&full[slot.stage], slot.phase);
-    const uint8_t* stage = ring + slot.stage * kStageBytes;
+    mbar_wait(full_addr + 8 * slot.stage, slot.phase);
     TileAcc<8> s, t;
-    issue_scores(s, keys_s, stage, slabs_s);
-    issue_scores(t, keys_t, stage + kMaxSlabs * kColSlabBytes, slabs_t);
+    const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
+    wgmma_fence();
+    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, keys_desc_s, stage_desc, slabs_s);
+    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, keys_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
+                                                     slabs_t);
+    wgmma_commit();
     store_query_rows(it + 1);  // while the products run
     load_query_rows(it + 2, ahead);
     wgmma_wait<0>();
@@ -337,7 +338,9 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     fence_acc(dk);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_rs<T, kDs / 8>(dk, ds[k], mn_major_desc(stage + k * 1024, kColSlabBytes), 1);
+    for (int k = 0; k < 4; ++k) {
+      wgmma_rs<T, kDs / 8>(dk, ds[k], ring_mn_desc + slot.stage * desc_step(kStageBytes) + k * desc_step(1024), 1);
+    }
     wgmma_commit();
 
     // Barrier B: the per-query data's buffers (above) and, with dq, both halves of dS stored.
@@ -351,20 +354,19 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     if constexpr (kWithDq) {
       // 4. dq slice = dS . K_s[:, this warpgroup's half of the head dim].
       TileAcc<kDqN> dq;
-      const uint8_t* k_half = keys_s + consumer * (kDs / 2 / kK) * kRowSlabBytes;
 #pragma unroll
       for (int kk = 0; kk < kRows / 16; ++kk) {
         fence_acc(dq);
         wgmma_fence();
-        wgmma_ss_mn<T, kDqN>(dq, mn_major_desc(ds_tile + kk * 1024, kDsSlabBytes),
-                             mn_major_desc(k_half + kk * 1024, kRowSlabBytes), kk > 0);
+        wgmma_ss_mn<T, kDqN>(dq, ds_mn_desc + (it & 1) * desc_step(kDsBytes) + kk * desc_step(1024),
+                             k_half_mn_desc + kk * desc_step(1024), kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       fence_acc(dk);
       fence_acc(dq);
       __syncwarp();  // the warp's products have read the stage before lane 0 releases it
-      if (lane == 0) mbar_arrive(&empty[slot.stage]);
+      if (lane == 0) mbar_arrive(empty_addr + 8 * slot.stage);
 
       // 5. Stage the slice in fragment order (n-tile j of every thread, then the next n-tile) and
       // add it into the buffer with one bulk reduction (per-thread float4 reductions were 14%
@@ -386,7 +388,7 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       wgmma_wait<0>();
       fence_acc(dk);
       __syncwarp();  // the warp's product has read the stage before lane 0 releases it
-      if (lane == 0) mbar_arrive(&empty[slot.stage]);
+      if (lane == 0) mbar_arrive(empty_addr + 8 * slot.stage);
     }
     slot.advance();
     cur = next;

@@ -131,6 +131,37 @@ __device__ __forceinline__ uint64_t mn_major_desc(const void* p, int slab_bytes)
          (uint64_t(2) << 62);
 }
 
+// A descriptor's start address is in 16-byte units: moving the operand by `bytes` adds bytes / 16.
+constexpr uint64_t desc_step(int bytes) { return static_cast<uint64_t>(bytes) >> 4; }
+
+// d (+)= A . B^T over kSlabs 32-wide K slabs of both operands (K-major, 64-byte swizzled rows,
+// consecutive slabs kASlabBytes / kBSlabBytes apart; desc_a, desc_b: smem_desc of the first).
+// The first product overwrites d. Unrolled, with nothing but descriptor additions between the
+// products: issue loops that computed each descriptor from a pointer spent more time issuing
+// than the tensor cores spent multiplying (benchmarks/NOTES.md, v11).
+template <typename T, int kASlabBytes, int kBSlabBytes, int kSlabs, int kN>
+__device__ __forceinline__ void wgmma_ss_slabs(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int ks = 0; ks < kSlabs; ++ks) {
+    const uint64_t da = desc_a + ks * desc_step(kASlabBytes), db = desc_b + ks * desc_step(kBSlabBytes);
+    wgmma_ss<T>(d, da, db, ks > 0);
+    wgmma_ss<T>(d, da + desc_step(32), db + desc_step(32), 1);  // the slab's second 16 values
+  }
+}
+
+// The same for a slab count known at run time (1 to 4: head dims up to 128), each count one
+// unrolled sequence. The caller fences (wgmma_fence) before and commits after.
+template <typename T, int kASlabBytes, int kBSlabBytes, int kN>
+__device__ __forceinline__ void wgmma_ss_slabs(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b, int slabs) {
+  fence_acc(d);
+  switch (slabs) {
+    case 4: wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes, 4>(d, desc_a, desc_b); break;
+    case 3: wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes, 3>(d, desc_a, desc_b); break;
+    case 2: wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes, 2>(d, desc_a, desc_b); break;
+    default: wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes, 1>(d, desc_a, desc_b); break;
+  }
+}
+
 }  // namespace hopper
 }  // namespace cuda
 }  // namespace nitrobrew
