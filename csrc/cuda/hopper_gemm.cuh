@@ -94,6 +94,9 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(512 >> 4) << 32) | (uint64_t(2) << 62);
 }
 
+// A descriptor's start address is in 16-byte units: moving the operand by `bytes` adds bytes / 16.
+constexpr uint64_t desc_step(int bytes) { return static_cast<uint64_t>(bytes) >> 4; }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -256,35 +259,41 @@ struct Loader {
 
 // A consumer's view of the stage ring: waits for slabs, multiplies them, releases them. The
 // producer (Loader, or the attention kernel's) refills each stage as soon as it is released.
+// Barrier addresses and descriptors are computed once: the loop over slabs only adds the stage's
+// offset (rebuilding them from pointers at every slab cost the attention kernels more issue time
+// than their products took; benchmarks/NOTES.md, attention v11).
 struct Ring {
-  uint8_t* smem;
-  uint64_t* full;
-  uint64_t* empty;
+  uint32_t full, empty;     // shared-memory addresses of the stages' barriers
+  uint64_t desc_x, desc_w;  // stage 0's X slab (this consumer's 64 rows) and W slab
   RingSlot slot;
   int pending = -1;  // stage whose wgmma group may still be reading it
   int peer = -1;     // the other block of a cluster of 2 whose producer also fills this ring, or -1
 
+  __device__ __forceinline__ Ring(const uint8_t* smem, uint64_t* full_bars, uint64_t* empty_bars, int consumer)
+      : full(smem_addr(full_bars)),
+        empty(smem_addr(empty_bars)),
+        desc_x(smem_desc(smem + consumer * (kXSlabBytes / 2))),
+        desc_w(smem_desc(smem + kXSlabBytes)) {}
+
   __device__ __forceinline__ void release(int stage, int lane) {
     if (lane == 0) {
-      mbar_arrive(&empty[stage]);
-      if (peer >= 0) mbar_arrive_remote(&empty[stage], peer);
+      mbar_arrive(empty + 8 * stage);
+      if (peer >= 0) mbar_arrive_remote(empty + 8 * stage, peer);
     }
   }
 
   // acc = this consumer's 64 rows x kCols of the tile over k_slabs slabs; all products are done
   // (and every stage released) on return.
   template <typename T>
-  __device__ __forceinline__ void multiply(WideAcc& acc, int k_slabs, int consumer, int lane) {
+  __device__ __forceinline__ void multiply(WideAcc& acc, int k_slabs, int lane) {
     for (int ks = 0; ks < k_slabs; ++ks) {
-      mbar_wait(&full[slot.stage], slot.phase);
-      const uint8_t* stage = smem + slot.stage * kStageBytes;
-      const uint64_t desc_x = smem_desc(stage + consumer * (kXSlabBytes / 2));
-      const uint64_t desc_w = smem_desc(stage + kXSlabBytes);
+      mbar_wait(full + 8 * slot.stage, slot.phase);
+      const uint64_t stage = slot.stage * desc_step(kStageBytes);
       fence_acc(acc);
       wgmma_fence();
 #pragma unroll
       for (int k16 = 0; k16 < kK / 16; ++k16) {
-        wgmma_tile<T>(acc, desc_x + 2 * k16, desc_w + 2 * k16, ks > 0 || k16 > 0);
+        wgmma_tile<T>(acc, desc_x + stage + desc_step(32 * k16), desc_w + stage + desc_step(32 * k16), ks > 0 || k16 > 0);
       }
       wgmma_commit();
       fence_acc(acc);
@@ -345,24 +354,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     const int thread = threadIdx.x - kProducerThreads;
-    const int consumer = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+    // consumer read through a shuffle from lane 0: the compiler then knows it is the same in the
+    // whole warp and keeps the ring's descriptors in uniform registers.
+    const int consumer = __shfl_sync(0xffffffffu, thread / 128, 0);
+    const int warp = (thread / 32) % 4, lane = thread % 32;
     const FragmentRows rows(a, row0 + 64 * consumer + 16 * warp);
     const ParkedTile zs_parked{park + thread};
     Pass pass(a, rows, params);
-    Ring ring{smem, full, empty};
+    Ring ring(smem, full, empty, consumer);
     if constexpr (kCluster == 2) ring.peer = static_cast<int>(blockIdx.x % 2) ^ 1;
     static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 blocks");
     // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
     // made the compiler keep both live, 256 registers, and spill.)
     WideAcc z;
     for (int64_t tile = first; tile < last; ++tile) {
-      ring.multiply<T>(z, k_slabs_s, consumer, lane);
+      ring.multiply<T>(z, k_slabs_s, lane);
       apply_softcap(z, a.softcap_s);
       if constexpr (Pass::kStudentOnly) {
         pass.tile(a, rows, tile * kCols, z, z);
       } else {
         zs_parked.park(z);
-        ring.multiply<T>(z, k_slabs_t, consumer, lane);
+        ring.multiply<T>(z, k_slabs_t, lane);
         apply_softcap(z, a.softcap_t);
         pass.tile(a, rows, tile * kCols, zs_parked, z);
       }

@@ -131,14 +131,11 @@ __device__ __forceinline__ uint64_t mn_major_desc(const void* p, int slab_bytes)
          (uint64_t(2) << 62);
 }
 
-// A descriptor's start address is in 16-byte units: moving the operand by `bytes` adds bytes / 16.
-constexpr uint64_t desc_step(int bytes) { return static_cast<uint64_t>(bytes) >> 4; }
-
 // d (+)= A . B^T over kSlabs 32-wide K slabs of both operands (K-major, 64-byte swizzled rows,
 // consecutive slabs kASlabBytes / kBSlabBytes apart; desc_a, desc_b: smem_desc of the first).
 // The first product overwrites d. Unrolled, with nothing but descriptor additions between the
 // products: issue loops that computed each descriptor from a pointer spent more time issuing
-// than the tensor cores spent multiplying (benchmarks/NOTES.md, v11).
+// than the tensor cores spent multiplying (benchmarks/NOTES.md, attention v11).
 template <typename T, int kASlabBytes, int kBSlabBytes, int kSlabs, int kN>
 __device__ __forceinline__ void wgmma_ss_slabs(TileAcc<kN>& d, uint64_t desc_a, uint64_t desc_b) {
 #pragma unroll
