@@ -186,12 +186,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
       Scores s, t;
       turn_wait(consumer);
       mark(tile, kGotTurn);
-      const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
-      wgmma_fence();  // once: a sequence of products into one accumulator needs no fence between
-      wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, rows_desc_s, stage_desc, slabs_s);
-      wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, rows_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
-                                                       slabs_t);
-      wgmma_commit();
+      wgmma_scores_of_stage<T, kRowSlabBytes, kColSlabBytes, kMaxSlabs>(
+          s, t, rows_desc_s, rows_desc_t, ring_desc + slot.stage * desc_step(kStageBytes), slabs_s, slabs_t);
       turn_pass(consumer);
       mark(tile, kIssued);
       wgmma_wait<0>();

@@ -129,12 +129,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 
     // 1. The student's and the teacher's 64 x 64 scores.
     TileAcc<8> s, t;
-    const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
-    wgmma_fence();
-    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, rows_desc_s, stage_desc, slabs_s);
-    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, rows_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
-                                                     slabs_t);
-    wgmma_commit();
+    wgmma_scores_of_stage<T, kRowSlabBytes, kColSlabBytes, kMaxSlabs>(
+        s, t, rows_desc_s, rows_desc_t, ring_desc + slot.stage * desc_step(kStageBytes), slabs_s, slabs_t);
     wgmma_wait<0>();
     fence_acc(s);
     fence_acc(t);

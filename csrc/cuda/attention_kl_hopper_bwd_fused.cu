@@ -270,12 +270,8 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     }
     mbar_wait(full_addr + 8 * slot.stage, slot.phase);
     TileAcc<8> s, t;
-    const uint64_t stage_desc = ring_desc + slot.stage * desc_step(kStageBytes);
-    wgmma_fence();
-    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(s, keys_desc_s, stage_desc, slabs_s);
-    wgmma_ss_slabs<T, kRowSlabBytes, kColSlabBytes>(t, keys_desc_t, stage_desc + desc_step(kMaxSlabs * kColSlabBytes),
-                                                     slabs_t);
-    wgmma_commit();
+    wgmma_scores_of_stage<T, kRowSlabBytes, kColSlabBytes, kMaxSlabs>(
+        s, t, keys_desc_s, keys_desc_t, ring_desc + slot.stage * desc_step(kStageBytes), slabs_s, slabs_t);
     store_query_rows(it + 1);  // while the products run
     load_query_rows(it + 2, ahead);
     wgmma_wait<0>();

@@ -159,6 +159,19 @@ __device__ __forceinline__ void wgmma_ss_slabs(TileAcc<kN>& d, uint64_t desc_a, 
   }
 }
 
+// The attention kernels' score tiles of both models from one ring stage, issued and committed
+// (not waited for): s from the student's slabs at the stage's start, t from the teacher's, which
+// begin kMaxSlabs slabs later; a_desc_s, a_desc_t: this warpgroup's rows (queries or keys) of each.
+template <typename T, int kASlabBytes, int kBSlabBytes, int kMaxSlabs, int kN>
+__device__ __forceinline__ void wgmma_scores_of_stage(TileAcc<kN>& s, TileAcc<kN>& t, uint64_t a_desc_s,
+                                                      uint64_t a_desc_t, uint64_t stage_desc, int slabs_s,
+                                                      int slabs_t) {
+  wgmma_fence();  // once: a sequence of products into one accumulator needs no fence between
+  wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes>(s, a_desc_s, stage_desc, slabs_s);
+  wgmma_ss_slabs<T, kASlabBytes, kBSlabBytes>(t, a_desc_t, stage_desc + desc_step(kMaxSlabs * kBSlabBytes), slabs_t);
+  wgmma_commit();
+}
+
 }  // namespace hopper
 }  // namespace cuda
 }  // namespace nitrobrew
