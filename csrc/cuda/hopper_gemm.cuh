@@ -293,7 +293,8 @@ struct Ring {
       wgmma_fence();
 #pragma unroll
       for (int k16 = 0; k16 < kK / 16; ++k16) {
-        wgmma_tile<T>(acc, desc_x + stage + desc_step(32 * k16), desc_w + stage + desc_step(32 * k16), ks > 0 || k16 > 0);
+        wgmma_tile<T>(acc, desc_x + stage + desc_step(32 * k16), desc_w + stage + desc_step(32 * k16),
+                      ks > 0 || k16 > 0);
       }
       wgmma_commit();
       fence_acc(acc);
