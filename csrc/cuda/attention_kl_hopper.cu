@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "attention_hopper_rows.cuh"
 #include "attention_tiles.cuh"
 #include "tma.h"
 #include "wgmma_ops.cuh"
@@ -38,8 +39,6 @@ struct AttentionMaps {
 
 namespace {
 
-constexpr int kK = hopper::kK;  // 32 values: one 64-byte swizzled row, as head_tensor_map loads
-constexpr int kMaxSlabs = 4;    // head dims up to 128
 constexpr int kStages = 2;
 constexpr int kProducerThreads = 128;
 
@@ -54,11 +53,10 @@ constexpr int kCols = 96;               // keys per tile (the wgmma N)
 constexpr int kConsumerThreads = 128 * kConsumers, kThreadCount = kProducerThreads + kConsumerThreads;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kConsumerRegisters = 160;
-constexpr int kRowSlabBytes = kRows * kK * 2;
-constexpr int kColSlabBytes = kCols * kK * 2;
-constexpr int kRowBytes = kMaxSlabs * kRowSlabBytes;  // one model's rows
-constexpr int kStageBytes = 2 * kMaxSlabs * kColSlabBytes;
-constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + (2 * kStages + 1) * 8;
+using Layout = RowsAndKeyRing<kRows, kCols, kStages, kConsumerWarps>;
+constexpr int kK = Layout::kK, kMaxSlabs = Layout::kMaxSlabs;
+constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
+constexpr int kStageBytes = Layout::kStageBytes, kSmemBytes = Layout::kSmemBytes;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
 static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * 24 <= 65536, "more registers than an SM has");
 
@@ -99,32 +97,10 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 #if NITROBREW_SM90A_DEVICE
   using namespace hopper;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* rows_s = smem;
-  uint8_t* rows_t = smem + kRowBytes;
-  uint8_t* ring = smem + 2 * kRowBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-  uint64_t* rows_full = empty + kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
-    }
-    mbar_init(rows_full, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  // Heaviest query tiles (the causal mask's last rows) first, all heads of one tile together.
-  const int q_tiles = (a.n_q + kRows - 1) / kRows;
-  const int64_t bh = blockIdx.x % (a.batch * a.heads);
-  const int i0 = (q_tiles - 1 - static_cast<int>(blockIdx.x / (a.batch * a.heads))) * kRows;
-  const int64_t b = bh / a.heads;
-  const int h = static_cast<int>(bh % a.heads);
-  const int rows_valid = min(kRows, a.n_q - i0);
-  const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
-  const int k_tiles = key_end > 0 ? (key_end + kCols - 1) / kCols : 0;
+  const Layout smem(smem_raw);
+  const QueryTile<kRows, kCols> block(a);
+  const int64_t bh = block.bh, b = block.b;
+  const int i0 = block.row0, k_tiles = block.key_tiles;
   const int slabs_s = (a.d_s + kK - 1) / kK, slabs_t = (a.d_t + kK - 1) / kK;
 
   // As in the logit kernel (hopper_gemm.cuh): a producer warpgroup whose thread 0 only loads,
@@ -132,30 +108,9 @@ __global__ void __launch_bounds__(kThreadCount, 1)
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x == 0 && k_tiles > 0) {
-      const int32_t batch = static_cast<int32_t>(b);
-      mbar_arrive_expect_tx(rows_full, (slabs_s + slabs_t) * kRowSlabBytes);
-      for (int ks = 0; ks < slabs_s; ++ks) {
-        tma_load_4d(rows_s + ks * kRowSlabBytes, &maps.q_s, ks * kK, h, i0, batch, rows_full);
-      }
-      for (int ks = 0; ks < slabs_t; ++ks) {
-        tma_load_4d(rows_t + ks * kRowSlabBytes, &maps.q_t, ks * kK, h, i0, batch, rows_full);
-      }
-      const int head_s = a.key_head_s(h), head_t = a.key_head_t(h);
-      hopper::RingPosition<kStages> slot;
-      for (int tile = 0; tile < k_tiles; ++tile) {
-        mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-        stamp<kTimeline>(maps.timeline, tile, kConsumers * kConsumerStamps);
-        uint8_t* stage = ring + slot.stage * kStageBytes;
-        mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
-        for (int ks = 0; ks < slabs_s; ++ks) {
-          tma_load_4d(stage + ks * kColSlabBytes, &maps.k_s, ks * kK, head_s, tile * kCols, batch, &full[slot.stage]);
-        }
-        for (int ks = 0; ks < slabs_t; ++ks) {
-          tma_load_4d(stage + (kMaxSlabs + ks) * kColSlabBytes, &maps.k_t, ks * kK, head_t, tile * kCols, batch,
-                      &full[slot.stage]);
-        }
-        slot.advance();
-      }
+      smem.produce(a, &maps.q_s, &maps.q_t, &maps.k_s, &maps.k_t, static_cast<int32_t>(b), block.head, i0, k_tiles,
+                   slabs_s, slabs_t,
+                   [&](int tile) { stamp<kTimeline>(maps.timeline, tile, kConsumers * kConsumerStamps); });
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
@@ -167,17 +122,17 @@ __global__ void __launch_bounds__(kThreadCount, 1)
     const int row0 = i0 + 64 * consumer + 16 * warp + lane / 4;  // the thread's rows: row0, row0 + 8
     TwoRowKL state = TwoRowKL::make<kReverse>(a.c_s, a.c_t);
     if (k_tiles > 0) {
-      mbar_wait(rows_full, 0);
+      mbar_wait(smem.rows_full, 0);
       if (consumer == kConsumers - 1) turn_pass(consumer);  // warpgroup 0 multiplies first
     }
     const bool stamps = kTimeline && thread % 128 == 0;
     auto mark = [&](int tile, Stamp what) {
       if (stamps) stamp<kTimeline>(maps.timeline, tile, consumer * kConsumerStamps + what);
     };
-    const uint64_t rows_desc_s = smem_desc(rows_s + consumer * (kRowSlabBytes / kConsumers));
-    const uint64_t rows_desc_t = smem_desc(rows_t + consumer * (kRowSlabBytes / kConsumers));
-    const uint64_t ring_desc = smem_desc(ring);
-    const uint32_t full_addr = smem_addr(full), empty_addr = smem_addr(empty);
+    const uint64_t rows_desc_s = smem_desc(smem.rows_s + consumer * (kRowSlabBytes / kConsumers));
+    const uint64_t rows_desc_t = smem_desc(smem.rows_t + consumer * (kRowSlabBytes / kConsumers));
+    const uint64_t ring_desc = smem_desc(smem.ring);
+    const uint32_t full_addr = smem_addr(smem.full), empty_addr = smem_addr(smem.empty);
     hopper::RingPosition<kStages> slot;
     for (int tile = 0; tile < k_tiles; ++tile) {
       mark(tile, kWaitFull);

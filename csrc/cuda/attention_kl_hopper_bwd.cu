@@ -14,6 +14,7 @@
 // Head dims up to 128; the host keeps the mma.sync kernels for larger ones.
 #include <c10/cuda/CUDAException.h>
 
+#include "attention_hopper_rows.cuh"
 #include "attention_tiles.cuh"
 #include "tma.h"
 #include "wgmma_ops.cuh"
@@ -32,16 +33,13 @@ namespace {
 
 constexpr int kRows = 128;
 constexpr int kCols = 64;
-constexpr int kK = hopper::kK;  // 32 values: one 64-byte swizzled row, as head_tensor_map loads
-constexpr int kMaxSlabs = 4;    // head dims up to 128
 constexpr int kStages = 4;
-constexpr int kRowSlabBytes = kRows * kK * 2;
-constexpr int kColSlabBytes = kCols * kK * 2;
-constexpr int kRowBytes = kMaxSlabs * kRowSlabBytes;  // one model's query rows
-constexpr int kStageBytes = 2 * kMaxSlabs * kColSlabBytes;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreadCount = 384;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + (2 * kStages + 1) * 8;
+using Layout = RowsAndKeyRing<kRows, kCols, kStages, kConsumerWarps>;
+constexpr int kMaxSlabs = Layout::kMaxSlabs, kK = Layout::kK;
+constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
+constexpr int kStageBytes = Layout::kStageBytes, kSmemBytes = Layout::kSmemBytes;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
 
 template <typename T, int kDs>
@@ -50,61 +48,18 @@ __global__ void __launch_bounds__(kThreadCount, 1)
 #if NITROBREW_SM90A_DEVICE
   using namespace hopper;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* rows_s = smem;
-  uint8_t* rows_t = smem + kRowBytes;
-  uint8_t* ring = smem + 2 * kRowBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-  uint64_t* rows_full = empty + kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerWarps);
-    }
-    mbar_init(rows_full, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  // The block's 128 queries of (b, head), heaviest first under the causal mask, and the key tiles
-  // they see.
-  const int q_tiles = (a.n_q + kRows - 1) / kRows;
-  const int64_t bh = blockIdx.x % (a.batch * a.heads);
-  const int row0 = (q_tiles - 1 - static_cast<int>(blockIdx.x / (a.batch * a.heads))) * kRows;
-  const int64_t b = bh / a.heads;
-  const int head = static_cast<int>(bh % a.heads);
-  const int key_end = min(a.n_k, a.last_key(min(kRows, a.n_q - row0) + row0 - 1) + 1);
-  const int items = key_end > 0 ? (key_end + kCols - 1) / kCols : 0;
+  const Layout smem(smem_raw);
+  const QueryTile<kRows, kCols> block(a);  // the block's 128 queries of (b, head) and their key tiles
+  const int64_t bh = block.bh, b = block.b;
+  const int head = block.head, row0 = block.row0, items = block.key_tiles;
   const int slabs_s = (a.d_s + kK - 1) / kK, slabs_t = (a.d_t + kK - 1) / kK;
   const float grad_scale = dscore_range_scale(a.grad_max, a.c_s);
 
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x != 0 || items == 0) return;
-    const int32_t batch = static_cast<int32_t>(b);
-    mbar_arrive_expect_tx(rows_full, (slabs_s + slabs_t) * kRowSlabBytes);
-    for (int ks = 0; ks < slabs_s; ++ks) {
-      tma_load_4d(rows_s + ks * kRowSlabBytes, &maps.q_s, ks * kK, head, row0, batch, rows_full);
-    }
-    for (int ks = 0; ks < slabs_t; ++ks) {
-      tma_load_4d(rows_t + ks * kRowSlabBytes, &maps.q_t, ks * kK, head, row0, batch, rows_full);
-    }
-    const int head_s = a.key_head_s(head), head_t = a.key_head_t(head);
-    RingPosition<kStages> slot;
-    for (int it = 0; it < items; ++it) {
-      mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-      uint8_t* stage = ring + slot.stage * kStageBytes;
-      mbar_arrive_expect_tx(&full[slot.stage], (slabs_s + slabs_t) * kColSlabBytes);
-      for (int ks = 0; ks < slabs_s; ++ks) {
-        tma_load_4d(stage + ks * kColSlabBytes, &maps.k_s, ks * kK, head_s, it * kCols, batch, &full[slot.stage]);
-      }
-      for (int ks = 0; ks < slabs_t; ++ks) {
-        tma_load_4d(stage + (kMaxSlabs + ks) * kColSlabBytes, &maps.k_t, ks * kK, head_t, it * kCols, batch,
-                    &full[slot.stage]);
-      }
-      slot.advance();
-    }
+    smem.produce(a, &maps.q_s, &maps.q_t, &maps.k_s, &maps.k_t, static_cast<int32_t>(b), head, row0, items, slabs_s,
+                 slabs_t, [](int) {});
     return;
   }
 
@@ -118,11 +73,11 @@ __global__ void __launch_bounds__(kThreadCount, 1)
   TileAcc<kDs / 8> grad;
   grad.zero();
   const GradRow row_stats[2] = {load_grad_row(a, bh, my_row0, grad_scale), load_grad_row(a, bh, my_row0 + 8, grad_scale)};
-  if (items > 0) mbar_wait(rows_full, 0);
-  const uint64_t rows_desc_s = smem_desc(rows_s + consumer * (kRowSlabBytes / 2));
-  const uint64_t rows_desc_t = smem_desc(rows_t + consumer * (kRowSlabBytes / 2));
-  const uint64_t ring_desc = smem_desc(ring), ring_mn_desc = mn_major_desc(ring, kColSlabBytes);
-  const uint32_t full_addr = smem_addr(full), empty_addr = smem_addr(empty);
+  if (items > 0) mbar_wait(smem.rows_full, 0);
+  const uint64_t rows_desc_s = smem_desc(smem.rows_s + consumer * (kRowSlabBytes / 2));
+  const uint64_t rows_desc_t = smem_desc(smem.rows_t + consumer * (kRowSlabBytes / 2));
+  const uint64_t ring_desc = smem_desc(smem.ring), ring_mn_desc = mn_major_desc(smem.ring, kColSlabBytes);
+  const uint32_t full_addr = smem_addr(smem.full), empty_addr = smem_addr(smem.empty);
   RingPosition<kStages> slot;
   for (int it = 0; it < items; ++it) {
     mbar_wait(full_addr + 8 * slot.stage, slot.phase);
