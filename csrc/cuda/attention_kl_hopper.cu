@@ -55,8 +55,10 @@ constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kConsumerRegisters = 160;
 using Layout = RowsAndKeyRing<kRows, kCols, kStages, kConsumerWarps>;
 constexpr int kK = Layout::kK, kMaxSlabs = Layout::kMaxSlabs;
-constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
-constexpr int kStageBytes = Layout::kStageBytes, kSmemBytes = Layout::kSmemBytes;
+// The kernel body's constants ([[maybe_unused]]: the passes for other architectures compile it out).
+[[maybe_unused]] constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
+[[maybe_unused]] constexpr int kStageBytes = Layout::kStageBytes;
+constexpr int kSmemBytes = Layout::kSmemBytes;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
 static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * 24 <= 65536, "more registers than an SM has");
 

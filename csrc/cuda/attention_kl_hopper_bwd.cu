@@ -37,9 +37,11 @@ constexpr int kStages = 4;
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreadCount = 384;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 using Layout = RowsAndKeyRing<kRows, kCols, kStages, kConsumerWarps>;
-constexpr int kMaxSlabs = Layout::kMaxSlabs, kK = Layout::kK;
-constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
-constexpr int kStageBytes = Layout::kStageBytes, kSmemBytes = Layout::kSmemBytes;
+// The kernel body's constants ([[maybe_unused]]: the passes for other architectures compile it out).
+[[maybe_unused]] constexpr int kMaxSlabs = Layout::kMaxSlabs, kK = Layout::kK;
+[[maybe_unused]] constexpr int kRowSlabBytes = Layout::kRowSlabBytes, kColSlabBytes = Layout::kColSlabBytes;
+[[maybe_unused]] constexpr int kStageBytes = Layout::kStageBytes;
+constexpr int kSmemBytes = Layout::kSmemBytes;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
 
 template <typename T, int kDs>
