@@ -113,6 +113,19 @@ def test_tensor_core_kernels_long_products(kernel_family, n, beta):
                             reduction="none")
 
 
+@pytest.mark.parametrize("d_t", [300, 700, 1100])
+@pytest.mark.parametrize("beta", BETAS)
+def test_tensor_core_kernels_student_side_during_teacher_product(kernel_family, d_t, beta):
+    # Without the CE add-on, the sm_90a KL pass folds the student's side of each whole tile of forward
+    # KL and JSD (beta 0 and 0.5) while the teacher's product runs, one of 33 pieces per teacher slab
+    # of 32: K = 1100 (35 slabs) takes all of them during the product, 700 (22) and 300 (10) leave
+    # some for after it. The vocabulary's last tile is partial (the general fold); reverse KL (beta 1)
+    # folds as before.
+    xs, xt, ws, wt, labels = make_problem(n=260, v=3001, d_s=96, d_t=d_t, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none")
+
+
 @pytest.mark.parametrize("temperature", [0.1, 10.0])
 def test_tensor_core_kernels_temperatures_and_large_logits(kernel_family, temperature):
     xs, xt, ws, wt, labels = make_problem(n=150, v=500, d_s=64, d_t=128, dtype=torch.bfloat16, device="cuda",

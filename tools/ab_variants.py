@@ -14,7 +14,8 @@ and (twice) of the gradients (variants that must not change results have equal c
   the FlashAttention-2 backend), B = 1, bf16, causal and not, N from --n (default 8192), H = 32, D = 128.
 - fused_linear: forward KL against the cuBLAS products of benchmarks/fused_linear.py's floor
   (--peers adds its chunked torch.compile baseline), on the Qwen reference shape (V = 152064,
-  D_s = 3584, D_t = 5120; N from --n).
+  D_s = 3584, D_t = 5120; N from --n); fused_linear_llama: the same on Llama-3's shape (V = 128256,
+  D_s = 2048, D_t = 4096).
 """
 
 from __future__ import annotations
@@ -79,15 +80,15 @@ def attention_problem(n: int, causal: bool, peers: bool):
                                                                    reduction="none")), ours_step)
 
 
-def fused_linear_problem(n: int, causal: bool, peers: bool):
+def fused_linear_problem(n: int, causal: bool, peers: bool, vocab=152064, d_s=3584, d_t=5120):
     from fused_linear import METHODS, _GemmFloor  # the benchmark's cuBLAS floor and peers
 
     torch.manual_seed(0)
     kw = dict(device="cuda", dtype=torch.bfloat16)
-    xs = torch.randn(n, 3584, **kw, requires_grad=True)
-    xt = torch.randn(n, 5120, **kw)
-    ws = (torch.randn(152064, 3584, **kw) / 3584**0.5).requires_grad_()
-    wt = torch.randn(152064, 5120, **kw) / 5120**0.5
+    xs = torch.randn(n, d_s, **kw, requires_grad=True)
+    xt = torch.randn(n, d_t, **kw)
+    ws = (torch.randn(vocab, d_s, **kw) / d_s**0.5).requires_grad_()
+    wt = torch.randn(vocab, d_t, **kw) / d_t**0.5
 
     def method(fn):
         forward = torch.no_grad()(lambda: fn(xs, xt, ws, wt, loss="forward_kl", reduction="none"))
@@ -101,7 +102,12 @@ def fused_linear_problem(n: int, causal: bool, peers: bool):
             lambda: torch.autograd.grad(nitrobrew.forward_kl(xs, xt, ws, wt), (xs, ws)))
 
 
-PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,))}
+def fused_linear_llama_problem(n: int, causal: bool, peers: bool):
+    return fused_linear_problem(n, causal, peers, vocab=128256, d_s=2048, d_t=4096)
+
+
+PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,)),
+            "fused_linear_llama": (fused_linear_llama_problem, (False,))}
 
 
 def apply(variant: str, names: set[str]) -> None:

@@ -14,7 +14,9 @@
 //     wgmma.m64n256k16 into float32 accumulators in registers: first the student tile, which
 //     it then parks in shared memory (ParkedTile), then the teacher tile in the same
 //     registers; the pass (fused_linear_passes.cuh) reads both while the producer already
-//     streams the next tile's slabs.
+//     streams the next tile's slabs. The KL pass folds the student's side of most tiles while
+//     the teacher's products run, a piece after each slab's products are issued
+//     (KLPass::student_piece): the fold is time in which neither warpgroup multiplies.
 // Why park: the two logit tiles must both exist when a tile is folded, and registers hold only
 // 128 x 128 of each. Parking the student tile (128 KB) allows 128 x 256 tiles, which ran 5%
 // faster than 128 x 128 ones with both tiles in registers. benchmarks/NOTES.md has the
@@ -286,6 +288,13 @@ struct Ring {
   // (and every stage released) on return.
   template <typename T>
   __device__ __forceinline__ void multiply(WideAcc& acc, int k_slabs, int lane) {
+    multiply<T>(acc, k_slabs, lane, [](int) {});
+  }
+
+  // The same; on_slab(ks) runs after slab ks's products are issued, while they and the previous
+  // slab's run (work that needs neither the accumulator nor the ring).
+  template <typename T, typename OnSlab>
+  __device__ __forceinline__ void multiply(WideAcc& acc, int k_slabs, int lane, OnSlab&& on_slab) {
     for (int ks = 0; ks < k_slabs; ++ks) {
       mbar_wait(full + 8 * slot.stage, slot.phase);
       const uint64_t stage = slot.stage * desc_step(kStageBytes);
@@ -298,6 +307,7 @@ struct Ring {
       }
       wgmma_commit();
       fence_acc(acc);
+      on_slab(ks);
       wgmma_wait<1>();  // the previous slab's products are done: its stage can be refilled
       if (pending >= 0) release(pending, lane);
       pending = slot.stage;
@@ -309,6 +319,13 @@ struct Ring {
     pending = -1;
   }
 };
+
+// Whether a pass folds the student's side of a tile while the teacher's products run
+// (KLPass::student_piece).
+template <typename Pass, typename = void>
+constexpr bool kFoldsStudentSideFirst = false;
+template <typename Pass>
+constexpr bool kFoldsStudentSideFirst<Pass, std::void_t<decltype(Pass::kStudentPieces)>> = true;
 
 // Launched in clusters of kCluster (1 or 2) blocks (logit_passes.cu).
 template <typename T, typename Pass, int kCluster>
@@ -375,6 +392,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         pass.tile(a, rows, tile * kCols, z, z);
       } else {
         zs_parked.park(z);
+        if constexpr (kFoldsStudentSideFirst<Pass>) {
+          if (pass.student_side_first(a, tile * kCols, kCols)) {
+            // The student's side of the fold runs while the teacher's products do, a piece per
+            // slab (the rest after them where the teacher has fewer slabs than the pass pieces).
+            constexpr int kPieces = Pass::kStudentPieces;
+            ring.multiply<T>(z, k_slabs_t, lane, [&](int ks) {
+              if (ks < kPieces) pass.student_piece(a, ks, zs_parked);
+            });
+            for (int piece = k_slabs_t; piece < kPieces; ++piece) pass.student_piece(a, piece, zs_parked);
+            apply_softcap(z, a.softcap_t);
+            pass.tile_after_student(a, zs_parked, z);
+            continue;
+          }
+        }
         ring.multiply<T>(z, k_slabs_t, lane);
         apply_softcap(z, a.softcap_t);
         pass.tile(a, rows, tile * kCols, zs_parked, z);
