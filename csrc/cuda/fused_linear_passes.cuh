@@ -131,8 +131,15 @@ struct KLPass {
   // 4e-10 relative.
   template <typename ZS, typename ZT>
   __device__ __forceinline__ void plain_tile(const FusedLinearArgs<T>& a, const ZS& zs, const ZT& zt) {
+    plain_fold<false>(a, zs, zt);
+  }
+
+  // plain_tile's fold, or with kStudentSideDone its rest after student_piece has folded the
+  // student's side of the tile (pre_max, pre_o; forward KL and JSD only: the student is `o`).
+  template <bool kStudentSideDone, typename ZS, typename ZT>
+  __device__ __forceinline__ void plain_fold(const FusedLinearArgs<T>& a, const ZS& zs, const ZT& zt) {
     constexpr int kN = ZT::kNTiles;
-    const bool weight_by_student = a.div.kind == LossKind::kReverseKL;
+    const bool weight_by_student = !kStudentSideDone && a.div.kind == LossKind::kReverseKL;
     const float inv_t = a.inv_temperature;
     float max_s[2][4], max_t[2][4];
 #pragma unroll
@@ -146,7 +153,9 @@ struct KLPass {
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          max_s[i][(2 * j + e) % 4] = fmaxf(max_s[i][(2 * j + e) % 4], zs.at(j, 2 * i + e));
+          if constexpr (!kStudentSideDone) {
+            max_s[i][(2 * j + e) % 4] = fmaxf(max_s[i][(2 * j + e) % 4], zs.at(j, 2 * i + e));
+          }
           max_t[i][(2 * j + e) % 4] = fmaxf(max_t[i][(2 * j + e) % 4], zt.at(j, 2 * i + e));
         }
       }
@@ -154,10 +163,15 @@ struct KLPass {
     KLState<float> part[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float ms = fmaxf(fmaxf(max_s[i][0], max_s[i][1]), fmaxf(max_s[i][2], max_s[i][3]));
+      const float ms = kStudentSideDone ? pre_max[i]
+                                        : fmaxf(fmaxf(max_s[i][0], max_s[i][1]), fmaxf(max_s[i][2], max_s[i][3]));
       const float mt = fmaxf(fmaxf(max_t[i][0], max_t[i][1]), fmaxf(max_t[i][2], max_t[i][3]));
       part[i].w.m = scale_logit(weight_by_student ? ms : mt, inv_t);
-      part[i].o.m = scale_logit(weight_by_student ? mt : ms, inv_t);
+      if constexpr (kStudentSideDone) {
+        part[i].o = pre_o[i];
+      } else {
+        part[i].o.m = scale_logit(weight_by_student ? mt : ms, inv_t);
+      }
       SoftmaxState<float> ce_part;  // as the general fold leaves it without the add-on
       ce_part.m = ms;
       merge(ce[i], ce_part);
@@ -174,7 +188,7 @@ struct KLPass {
           const float ew = PassExp<T>{}(w - part[i].w.m);
           part[i].w.l += ew;
           part[i].a += ew * (w - o);
-          part[i].o.l += PassExp<T>{}(o - part[i].o.m);
+          if constexpr (!kStudentSideDone) part[i].o.l += PassExp<T>{}(o - part[i].o.m);
         }
       }
     }
@@ -239,50 +253,7 @@ struct KLPass {
   // plain_tile's fold after student_piece has run kStudentPieces times on this tile.
   template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile_after_student(const FusedLinearArgs<T>& a, const ZS& zs, const ZT& zt) {
-    constexpr int kN = ZT::kNTiles;
-    const float inv_t = a.inv_temperature;
-    float max_t[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) max_t[i][c] = -INFINITY;
-    }
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          max_t[i][(2 * j + e) % 4] = fmaxf(max_t[i][(2 * j + e) % 4], zt.at(j, 2 * i + e));
-        }
-      }
-    }
-    KLState<float> part[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float mt = fmaxf(fmaxf(max_t[i][0], max_t[i][1]), fmaxf(max_t[i][2], max_t[i][3]));
-      part[i].w.m = scale_logit(mt, inv_t);
-      part[i].o = pre_o[i];
-      SoftmaxState<float> ce_part;
-      ce_part.m = pre_max[i];
-      merge(ce[i], ce_part);
-    }
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float w = scale_logit(zt.at(j, 2 * i + e), inv_t);
-          const float o = scale_logit(zs.at(j, 2 * i + e), inv_t);
-          const float ew = PassExp<T>{}(w - part[i].w.m);
-          part[i].w.l += ew;
-          part[i].a += ew * (w - o);
-        }
-      }
-    }
-    merge(st[0], part[0]);
-    merge(st[1], part[1]);
+    plain_fold<true>(a, zs, zt);
   }
 
   __device__ __forceinline__ void finish(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t split) {
