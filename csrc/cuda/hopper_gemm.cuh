@@ -16,7 +16,8 @@
 //     registers; the pass (fused_linear_passes.cuh) reads both while the producer already
 //     streams the next tile's slabs. The KL pass folds the student's side of most tiles while
 //     the teacher's products run, a piece after each slab's products are issued
-//     (KLPass::student_piece): the fold is time in which neither warpgroup multiplies.
+//     (KLPass::student_piece): the fold is time in which neither warpgroup multiplies. The
+//     student-only passes park each tile and fold it while the next tile's products run.
 // Why park: the two logit tiles must both exist when a tile is folded, and registers hold only
 // 128 x 128 of each. Parking the student tile (128 KB) allows 128 x 256 tiles, which ran 5%
 // faster than 128 x 128 ones with both tiles in registers. benchmarks/NOTES.md has the
@@ -327,6 +328,13 @@ constexpr bool kFoldsStudentSideFirst = false;
 template <typename Pass>
 constexpr bool kFoldsStudentSideFirst<Pass, std::void_t<decltype(Pass::kStudentPieces)>> = true;
 
+// Whether a student-only pass folds each parked tile while the next tile's products run
+// (StudentNormPass::tile_piece).
+template <typename Pass, typename = void>
+constexpr bool kFoldsBehindNextProduct = false;
+template <typename Pass>
+constexpr bool kFoldsBehindNextProduct<Pass, std::void_t<decltype(Pass::kTilePieces)>> = true;
+
 // Launched in clusters of kCluster (1 or 2) blocks (logit_passes.cu).
 template <typename T, typename Pass, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -385,30 +393,57 @@ __global__ void __launch_bounds__(kThreads, 1)
     // One accumulator: the student's tile, parked, then the teacher's. (Two scoped variables
     // made the compiler keep both live, 256 registers, and spill.)
     WideAcc z;
-    for (int64_t tile = first; tile < last; ++tile) {
-      ring.multiply<T>(z, k_slabs_s, lane);
-      apply_softcap(z, a.softcap_s);
-      if constexpr (Pass::kStudentOnly) {
-        pass.tile(a, rows, tile * kCols, z, z);
-      } else {
-        zs_parked.park(z);
-        if constexpr (kFoldsStudentSideFirst<Pass>) {
-          if (pass.student_side_first(a, tile * kCols, kCols)) {
-            // The student's side of the fold runs while the teacher's products do, a piece per
-            // slab (the rest after them where the teacher has fewer slabs than the pass pieces).
-            constexpr int kPieces = Pass::kStudentPieces;
-            ring.multiply<T>(z, k_slabs_t, lane, [&](int ks) {
-              if (ks < kPieces) pass.student_piece(a, ks, zs_parked);
-            });
-            for (int piece = k_slabs_t; piece < kPieces; ++piece) pass.student_piece(a, piece, zs_parked);
-            apply_softcap(z, a.softcap_t);
-            pass.tile_after_student(a, zs_parked, z);
-            continue;
-          }
+    if constexpr (Pass::kStudentOnly && kFoldsBehindNextProduct<Pass>) {
+      // Each tile inside the vocabulary is parked and folded while the next tile's products run, a
+      // piece after each slab's products are issued (the rest after them where a product has
+      // fewer slabs than the pass pieces); the last one after the loop.
+      constexpr int kPieces = Pass::kTilePieces;
+      int64_t parked = -1;  // first column of the parked tile still to fold, or -1
+      for (int64_t tile = first; tile < last; ++tile) {
+        ring.multiply<T>(z, k_slabs_s, lane, [&](int ks) {
+          if (parked >= 0 && ks < kPieces) pass.tile_piece(a, rows, parked, ks, zs_parked);
+        });
+        if (parked >= 0) {
+          for (int piece = k_slabs_s; piece < kPieces; ++piece) pass.tile_piece(a, rows, parked, piece, zs_parked);
         }
-        ring.multiply<T>(z, k_slabs_t, lane);
-        apply_softcap(z, a.softcap_t);
-        pass.tile(a, rows, tile * kCols, zs_parked, z);
+        apply_softcap(z, a.softcap_s);
+        if (pass.folds_later(a, tile * kCols, kCols)) {
+          zs_parked.park(z);
+          parked = tile * kCols;
+        } else {
+          pass.tile(a, rows, tile * kCols, z, z);
+          parked = -1;
+        }
+      }
+      if (parked >= 0) {
+        for (int piece = 0; piece < kPieces; ++piece) pass.tile_piece(a, rows, parked, piece, zs_parked);
+      }
+    } else {
+      for (int64_t tile = first; tile < last; ++tile) {
+        ring.multiply<T>(z, k_slabs_s, lane);
+        apply_softcap(z, a.softcap_s);
+        if constexpr (Pass::kStudentOnly) {
+          pass.tile(a, rows, tile * kCols, z, z);
+        } else {
+          zs_parked.park(z);
+          if constexpr (kFoldsStudentSideFirst<Pass>) {
+            if (pass.student_side_first(a, tile * kCols, kCols)) {
+              // The student's side of the fold runs while the teacher's products do, a piece per
+              // slab (the rest after them where the teacher has fewer slabs than the pass pieces).
+              constexpr int kPieces = Pass::kStudentPieces;
+              ring.multiply<T>(z, k_slabs_t, lane, [&](int ks) {
+                if (ks < kPieces) pass.student_piece(a, ks, zs_parked);
+              });
+              for (int piece = k_slabs_t; piece < kPieces; ++piece) pass.student_piece(a, piece, zs_parked);
+              apply_softcap(z, a.softcap_t);
+              pass.tile_after_student(a, zs_parked, z);
+              continue;
+            }
+          }
+          ring.multiply<T>(z, k_slabs_t, lane);
+          apply_softcap(z, a.softcap_t);
+          pass.tile(a, rows, tile * kCols, zs_parked, z);
+        }
       }
     }
     pass.finish(a, rows, split);
