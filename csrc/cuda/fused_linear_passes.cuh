@@ -55,6 +55,25 @@ __device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxSta
   }
 }
 
+// Pieces 0 to kMaxPieces - 1 of a fold spread over a product's slabs (KLPass::student_piece,
+// StudentNormPass::tile_piece): the running maximum of each of the fragment's two rows over its
+// n-tiles 2 piece and 2 piece + 1 (32 n-tiles in all; piece 0 starts from -inf).
+constexpr int kMaxPieces = 16;
+template <typename Tile>
+__device__ __forceinline__ void row_max_piece(const Tile& z, int piece, float (&m)[2]) {
+  static_assert(Tile::kNTiles == 2 * kMaxPieces, "two n-tiles per piece");
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float v = piece == 0 ? -INFINITY : m[i];
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) v = fmaxf(v, z.at(2 * piece + jj, 2 * i + e));
+    }
+    m[i] = v;
+  }
+}
+
 template <typename T>
 struct KLPass {
   static constexpr bool kStudentOnly = false;
@@ -206,7 +225,7 @@ struct KLPass {
   // plain_tile: its student is `w`, whose exponential the cross term needs per entry, so the park
   // would have to hold it beside the logit. (The gradient pass's forward-KL fold done the same way,
   // p of the parked tile formed during the teacher's product, made no measurable difference.)
-  static constexpr int kStudentPieces = 33;  // 16 pieces of maxima, 1 to finish them, 16 of sums
+  static constexpr int kStudentPieces = 2 * kMaxPieces + 1;  // maxima, 1 to finish them, sums
   float pre_max[2];  // the student's raw maximum per row (the maxima are exact in any order)
   SoftmaxState<float> pre_o[2];
 
@@ -216,26 +235,16 @@ struct KLPass {
 
   template <typename ZS>
   __device__ __forceinline__ void student_piece(const FusedLinearArgs<T>& a, int piece, const ZS& zs) {
-    static_assert(ZS::kNTiles == 32, "two n-tiles per piece, 16 pieces per phase");
-    if (piece < 16) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float m = piece == 0 ? -INFINITY : pre_max[i];
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) m = fmaxf(m, zs.at(2 * piece + jj, 2 * i + e));
-        }
-        pre_max[i] = m;
-      }
-    } else if (piece == 16) {
+    if (piece < kMaxPieces) {
+      row_max_piece(zs, piece, pre_max);
+    } else if (piece == kMaxPieces) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         pre_o[i].m = scale_logit(pre_max[i], a.inv_temperature);
         pre_o[i].l = 0.f;
       }
     } else if (piece < kStudentPieces) {
-      const int j0 = 2 * (piece - 17);
+      const int j0 = 2 * (piece - kMaxPieces - 1);
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
 #pragma unroll

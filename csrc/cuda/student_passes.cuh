@@ -71,7 +71,7 @@ struct StudentNormPass {
   // order as tile(), so the results are bitwise equal. The top-K forward took 9% less time so at
   // N = 8192 on the Qwen shape (H100; benchmarks/NOTES.md): a student-only pass has no teacher
   // product to fold behind, and its fold left the tensor cores idle.
-  static constexpr int kTilePieces = 33;  // 16 of maxima over two n-tiles, 1 to finish them, 16 of sums
+  static constexpr int kTilePieces = 2 * kMaxPieces + 1;  // maxima, 1 to finish them, sums
   float piece_max[2], piece_m[2];
   double piece_sum[2];
 
@@ -82,26 +82,16 @@ struct StudentNormPass {
   template <typename ZS>
   __device__ __forceinline__ void tile_piece(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t, int piece,
                                              const ZS& zs) {
-    static_assert(ZS::kNTiles == 32, "two n-tiles per piece, 16 pieces per phase");
-    if (piece < 16) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float m = piece == 0 ? -INFINITY : piece_max[i];
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) m = fmaxf(m, zs.at(2 * piece + jj, 2 * i + e));
-        }
-        piece_max[i] = m;
-      }
-    } else if (piece == 16) {
+    if (piece < kMaxPieces) {
+      row_max_piece(zs, piece, piece_max);
+    } else if (piece == kMaxPieces) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         piece_m[i] = scale_logit(piece_max[i], a.inv_temperature);
         piece_sum[i] = 0.0;
       }
     } else if (piece < kTilePieces) {
-      const int j0 = 2 * (piece - 17);
+      const int j0 = 2 * (piece - kMaxPieces - 1);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
