@@ -9,6 +9,12 @@ mkdir -p "$OUT"
 steps=${*:-build test test_sm80 sanitize sanitize_attention bench bench_attention}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
 status=0
+# Python packages the GPU machine lacks (liger-kernel for the benchmarks' peer), carried as wheels in
+# .whl/ (pip download --no-deps ... -d .whl NAME==VERSION on a machine with a registry).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nitrobrew_site .whl/*.whl &&
+    export PYTHONPATH=/tmp/nitrobrew_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
   local name=$1; shift
   echo "== $name: $*"
