@@ -106,6 +106,23 @@ def test_cuda_several_tiles_per_block():
     check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device="cuda")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ids_at_tile_edges_and_many_per_tile(dtype, device):
+    # normalize="full" picks the K student logits out of the vocabulary tiles of its pass (256 wide on
+    # sm_90a, 64 on sm_80, chunks on the CPU): ids on both sides of tile edges, the first and last
+    # vocabulary entries, repeated ids, and K = 700 of V = 1537 (most of a tile's entries in one row)
+    # must each be picked at their own positions, and masked rows not at all.
+    v, k, rows = 1537, 700, 150
+    xs, ws, _, _, labels = make_problem(lead=(rows,), v=v, d=64, k=1, dtype=dtype, masked_rows=True)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(rows)])
+    ids[:, :9] = torch.tensor([0, 63, 64, 255, 256, 511, 512, 1535, 1536])
+    ids[5, 100:120] = ids[5, 0]
+    ids = ids.gather(1, torch.argsort(torch.rand(rows, k, generator=g), dim=1))
+    lps = torch.log_softmax(torch.randn(rows, v, generator=g, dtype=torch.float64) * 3, -1).gather(1, ids).float()
+    check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device=device)
+
+
 @pytest.mark.parametrize("normalize", NORMALIZE)
 @pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
 def test_temperatures_and_logit_scales(normalize, temperature, scale, device):

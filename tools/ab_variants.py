@@ -16,6 +16,9 @@ and (twice) of the gradients (variants that must not change results have equal c
   (--peers adds its chunked torch.compile baseline), on the Qwen reference shape (V = 152064,
   D_s = 3584, D_t = 5120; N from --n); fused_linear_llama: the same on Llama-3's shape (V = 128256,
   D_s = 2048, D_t = 4096).
+- topk_linear: nitrobrew.topk_kl (normalize="full") for K = 32, 128 and 512 (the CSV's `case`) against
+  the cuBLAS products of benchmarks/topk_linear.py's floor, with its inputs (V = 152064, D = 3584; the
+  teacher's top-K of the student's logits plus noise).
 """
 
 from __future__ import annotations
@@ -106,8 +109,30 @@ def fused_linear_llama_problem(n: int, causal: bool, peers: bool):
     return fused_linear_problem(n, causal, peers, vocab=128256, d_s=2048, d_t=4096)
 
 
+def topk_linear_problem(n: int, k: int, peers: bool, vocab=152064, d=3584):
+    from topk_linear import gemm_run  # the benchmark's cuBLAS floor
+
+    torch.manual_seed(0)
+    xs = torch.randn(n, d, device="cuda").to(torch.bfloat16).requires_grad_()
+    ws = (torch.randn(vocab, d, device="cuda") * (3.0 / d**0.5)).to(torch.bfloat16).requires_grad_()
+    with torch.no_grad():  # as the benchmark: the top-K of the student's logits plus noise
+        ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
+        lps = torch.empty(n, k, device="cuda")
+        for r in range(0, n, 1024):
+            z = (xs[r:r + 1024] @ ws.T).float()
+            z += torch.randn_like(z)
+            lps[r:r + 1024], ids[r:r + 1024] = torch.log_softmax(z, -1).topk(k, dim=-1)
+        del z
+    others = {"cublas_gemms": (gemm_run(xs.detach(), ws.detach(), "forward"),
+                               gemm_run(xs.detach(), ws.detach(), "fwd_bwd"))}
+    return (others, torch.no_grad()(lambda: nitrobrew.topk_kl(xs, ws, ids, lps, reduction="none")),
+            lambda: torch.autograd.grad(nitrobrew.topk_kl(xs, ws, ids, lps), (xs, ws)))
+
+
+# Each problem with the cases it runs (attention: causal or not; topk_linear: K).
 PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,)),
-            "fused_linear_llama": (fused_linear_llama_problem, (False,))}
+            "fused_linear_llama": (fused_linear_llama_problem, (False,)),
+            "topk_linear": (topk_linear_problem, (32, 128, 512))}
 
 
 def apply(variant: str, names: set[str]) -> None:
@@ -130,12 +155,12 @@ def main() -> None:
                         help="also time the peers (fused_linear: chunked_compile; attention: sdpa_flash)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    make, causal_flags = PROBLEMS[args.problem]
+    make, cases = PROBLEMS[args.problem]
     names = {s.split("=", 1)[0] for v in args.variants if v != "none" for s in v.split("+")}
     rows = []
     for n in [int(x) for x in args.n.split(",")]:
-        for causal in causal_flags:
-            others, ours_fwd, ours_step = make(n, causal, args.peers)
+        for case in cases:
+            others, ours_fwd, ours_step = make(n, case, args.peers)
             baseline = next(iter(others))
             checksums = {}
             for variant in args.variants:  # warm-up, and each variant's results (twice: run to run too)
@@ -162,7 +187,7 @@ def main() -> None:
             for name, by_mode in times.items():
                 for mode, rounds in by_mode.items():
                     ms = statistics.median(rounds)
-                    row = dict(problem=args.problem, n=n, causal=causal, method=name, mode=mode,
+                    row = dict(problem=args.problem, n=n, case=case, method=name, mode=mode,
                                median_ms=round(ms, 3), round_medians_ms=" ".join(f"{t:.3f}" for t in rounds),
                                ratio_to_baseline=round(ms / statistics.median(times[baseline][mode]), 3),
                                grad_checksum=checksums.get(name, ""))

@@ -1,7 +1,8 @@
 // CPU implementation of the top-K teacher ops from hidden states (nitrobrew.topk_kl): the same
-// algorithm as the CUDA ops. The K student logits are dot products of xs[n] with the K gathered
-// rows of ws; for normalize="full" the student's log-normalizer over the vocabulary is an online
-// log-sum-exp over vocabulary chunks of xs . ws^T; the rest is the per-row math of topk_rows.h.
+// algorithm as the CUDA ops. For normalize="full" the student's log-normalizer over the vocabulary
+// is an online log-sum-exp over vocabulary chunks of xs . ws^T, and the K student logits are picked
+// from those chunks; for "topk" they are dot products of xs[n] with the K gathered rows of ws. The
+// rest is the per-row math of topk_rows.h.
 // The backward of "full" walks the same chunks: dLoss/dz of a chunk (the dense part, then the K
 // ids' sparse terms added) and its products with ws and xs; "topk" has only the K ids' terms, so
 // dxs gathers K rows of ws per token and dws sums xs rows per id. Memory beyond the inputs: one
@@ -81,22 +82,29 @@ at::Tensor gather_logits(const at::Tensor& xs_acc, const at::Tensor& ws, const a
   return z;
 }
 
-// The student's log-normalizer of xs . ws^T / tau as [N, 2] (max, log-sum), online over chunks. The
-// exponentials are the accumulation dtype's, their sums float64: the loss takes the log-normalizer
-// times the teacher's kept mass, and a float32 sum's rounding showed at logit scales ~1e-3.
-at::Tensor student_log_normalizer(const at::Tensor& xs_acc, const at::Tensor& ws, const TopKParams& p) {
+// normalize="full": the student's logits at the ids [N, K] (acc_t), picked from the chunks of
+// xs . ws^T, and its log-normalizer of xs . ws^T / tau as [N, 2] (max, log-sum), online over the
+// same chunks. The exponentials are the accumulation dtype's, their sums float64: the loss takes the
+// log-normalizer times the teacher's kept mass, and a float32 sum's rounding showed at logit
+// scales ~1e-3.
+std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const at::Tensor& xs_acc, const at::Tensor& ws,
+                                                                     const at::Tensor& ids, const TopKParams& p) {
   const int64_t chunk = chunk_width(p);
   const auto f64 = xs_acc.options().dtype(at::kDouble);
   at::Tensor max = at::full({p.num_rows, 1}, -std::numeric_limits<double>::infinity(), f64);
   at::Tensor sum = at::zeros({p.num_rows, 1}, f64);
+  at::Tensor z = at::zeros({p.num_rows, p.k}, xs_acc.options());
   for (int64_t c0 = 0; c0 < p.vocab_size; c0 += chunk) {
     const int64_t cols = std::min(chunk, p.vocab_size - c0);
-    const at::Tensor s = at::mm(xs_acc, ws.narrow(0, c0, cols).to(xs_acc.scalar_type()).t()) * p.inv_temperature;
+    const at::Tensor logits = at::mm(xs_acc, ws.narrow(0, c0, cols).to(xs_acc.scalar_type()).t());
+    const at::Tensor in_chunk = (ids >= c0) & (ids < c0 + cols);
+    z = at::where(in_chunk, logits.gather(1, (ids - c0).clamp(0, cols - 1)), z);
+    const at::Tensor s = logits * p.inv_temperature;
     const at::Tensor new_max = at::maximum(max, s.amax(1, /*keepdim=*/true).to(at::kDouble));
     sum = sum * (max - new_max).exp() + (s - new_max.to(s.scalar_type())).exp().sum(1, /*keepdim=*/true, at::kDouble);
     max = new_max;
   }
-  return at::cat({max, sum.log()}, 1);
+  return {z, at::cat({max, sum.log()}, 1)};
 }
 
 // Adds each id's sparse term to its entry of the chunk [c0, c0 + cols) (topk_rows.h).
@@ -171,8 +179,12 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& xs, const at::
                                                 const TopKParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const at::Tensor xs_acc = xs.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-  const at::Tensor z = gather_logits<scalar_t, acc_t>(xs_acc, ws, ids, p);
-  const at::Tensor norm = p.renormalize ? at::Tensor() : student_log_normalizer(xs_acc, ws, p);
+  at::Tensor z, norm;
+  if (p.renormalize) {
+    z = gather_logits<scalar_t, acc_t>(xs_acc, ws, ids, p);
+  } else {
+    std::tie(z, norm) = student_logits_and_log_normalizer(xs_acc, ws, ids, p);
+  }
   auto [loss, stats] = topk_rows_forward(z, norm, lps, topk_valid_rows(labels, p, xs), p, xs_acc.scalar_type());
   return {loss.to(xs_acc.scalar_type()), stats};
 }

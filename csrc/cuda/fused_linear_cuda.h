@@ -37,9 +37,13 @@ class LogitTilePasses {
   void grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk) const;
 
   // The student-only passes (student_passes.cuh) of the top-K loss, which multiply xs . ws^T
-  // alone: the softmax state per row and split into partial [forward_splits, N, 2] (float64), and the
-  // dense part of dLoss/dz (grad_rows [N, 3] float32, StudentGradRow) for a chunk as grad_pass.
-  void student_norm_pass(at::Tensor& partial) const;
+  // alone: the softmax state per row and split into partial [forward_splits, N, 2] (float64) and
+  // the logits at the teacher's ids into picked [N, K] (float32; each row's ids sorted ascending in
+  // sorted_ids, their positions in id_order, both int64 [N, K]; entries of rows that are masked
+  // are not written), and the dense part of dLoss/dz (grad_rows [N, 3] float32, StudentGradRow)
+  // for a chunk as grad_pass.
+  void student_norm_pass(at::Tensor& partial, const at::Tensor& sorted_ids, const at::Tensor& id_order,
+                         at::Tensor& picked) const;
   void student_grad_pass(const at::Tensor& grad_rows, int64_t chunk_begin, int64_t chunk_cols,
                          at::Tensor& grad_chunk) const;
 

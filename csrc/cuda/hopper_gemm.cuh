@@ -173,6 +173,7 @@ __device__ __forceinline__ void wgmma_tile<__half>(WideAcc& d, uint64_t desc_a, 
 struct ParkedTile {
   static constexpr int kNTiles = kCols / 8;
   static constexpr int kThreadsParked = kConsumerThreads;
+  static constexpr bool kRuntimeIndex = true;  // at(j, k) takes j and k known only at run time
   float* base;  // park + consumer thread index
   // A volatile load, so that the compiler reads each entry where the pass uses it rather than
   // hoisting all 128 loads ahead of the fold (which needs 128 more registers and spilled).

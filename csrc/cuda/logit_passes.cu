@@ -301,11 +301,18 @@ void LogitTilePasses::grad_pass(const at::Tensor& row_stats, int64_t chunk_begin
   });
 }
 
-void LogitTilePasses::student_norm_pass(at::Tensor& partial) const {
+void LogitTilePasses::student_norm_pass(at::Tensor& partial, const at::Tensor& sorted_ids, const at::Tensor& id_order,
+                                        at::Tensor& picked) const {
+  TORCH_CHECK(sorted_ids.is_contiguous() && id_order.is_contiguous() && picked.is_contiguous() &&
+              sorted_ids.scalar_type() == at::kLong && id_order.scalar_type() == at::kLong &&
+              picked.scalar_type() == at::kFloat && sorted_ids.sizes() == picked.sizes() &&
+              id_order.sizes() == picked.sizes() && picked.dim() == 2 && picked.size(0) == p_.num_rows);
   const int64_t tiles = (p_.vocab_size + tile_cols_ - 1) / tile_cols_;
   const LaunchPlan plan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_, kGroupRowBlocks};
   NITROBREW_DISPATCH_16_32("nitrobrew_student_norm_pass", {
-    const typename StudentNormPass<T>::Params params{partial.data_ptr<double>()};
+    const typename StudentNormPass<T>::Params params{partial.data_ptr<double>(), sorted_ids.data_ptr<int64_t>(),
+                                                     id_order.data_ptr<int64_t>(), picked.data_ptr<float>(),
+                                                     picked.size(1)};
     launch_pass<T, StudentNormPass<T>>(path_, vectorized_, a, xs_, xt_, ws_, wt_, plan, params);
   });
 }

@@ -2,15 +2,91 @@
 // product), for the top-K teacher loss from hidden states (topk_linear_cuda.cu), whose teacher is
 // K log-probabilities rather than a matrix:
 //   StudentNormPass  forward: the online softmax state of s = z / tau per row and split, merged
-//                    by the caller into the student's log-normalizer over the vocabulary;
+//                    by the caller into the student's log-normalizer over the vocabulary, and
+//                    the logits at the teacher's K ids picked from the tiles (IdPicker);
 //   StudentGradPass  backward: the dense part of dLoss/dz, coef[n] * p_v / tau, into a
 //                    [N x chunk] buffer (the caller then writes the K ids' entries).
 #pragma once
+
+#include <cstdint>
 
 #include "fused_linear_passes.cuh"
 
 namespace nitrobrew {
 namespace cuda {
+
+// Whether a tile's entries can be read at a (j, k) known only at run time (ParkedTile, in shared
+// memory); a tile in registers is read through a select over its n-tiles instead.
+template <typename Tile, typename = void>
+constexpr bool kRuntimeIndex = false;
+template <typename Tile>
+constexpr bool kRuntimeIndex<Tile, std::void_t<decltype(Tile::kRuntimeIndex)>> = Tile::kRuntimeIndex;
+
+// Entry (j, 2 kI + e) of a thread's fragment, with j and e known only at run time.
+template <int kI, typename Tile>
+__device__ __forceinline__ float fragment_entry(const Tile& z, int j, int e) {
+  if constexpr (kRuntimeIndex<Tile>) {
+    return z.at(j, 2 * kI + e);
+  } else {
+    float v = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < Tile::kNTiles; ++jj) {
+      if (jj == j) v = e ? z.at(jj, 2 * kI + 1) : z.at(jj, 2 * kI);
+    }
+    return v;
+  }
+}
+
+// Picks the student's logits at the teacher's K ids out of the tiles a pass sees (the top-K
+// forward, normalize="full"), instead of gathering K rows of ws per token: at K = 512 and
+// N = 8192 that gather read 30 GB. The picked logits are also the very values the tiles' log-normalizer
+// and the backward's recompute see. Each row's ids, sorted, are read in step with its block's walk
+// over consecutive tiles; the thread whose fragment holds an id's entry writes it to
+// picked[n, k] at the id's position k (a repeated id is picked at each of its positions).
+struct IdPicker {
+  const int64_t* sorted;  // [N, K]: each row's ids, ascending
+  const int64_t* order;   // [N, K]: the position k in the row of each sorted id
+  float* picked;          // [N, K]; nullptr: pick nothing
+  int64_t k;
+  int64_t pos[2] = {-1, -1};           // the rows' next sorted id (-1: not looked up yet)
+  int64_t next[2] = {INT64_MAX, INT64_MAX};  // that id, or INT64_MAX past the row's last
+
+  template <int kI, typename Tile>
+  __device__ __forceinline__ void pick_row(const FragmentRows& rows, int64_t v0, const Tile& z) {
+    constexpr int kCols = 8 * Tile::kNTiles;
+    if (!rows.valid[kI]) return;  // rows past N and ignored rows keep the caller's zeros
+    const int64_t* ids = sorted + rows.row[kI] * k;
+    if (pos[kI] < 0) {  // the block's first tile: the row's first id >= v0
+      int64_t lo = 0, hi = k;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ids[mid] < v0) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      pos[kI] = lo;
+      next[kI] = lo < k ? ids[lo] : INT64_MAX;
+    }
+    while (next[kI] < v0 + kCols) {
+      const int64_t c = next[kI] - v0;  // >= 0: the block's tiles are consecutive
+      if (c >= 0 && static_cast<int>((c >> 1) & 3) == static_cast<int>(threadIdx.x % 4)) {
+        const int64_t at = rows.row[kI] * k;
+        picked[at + order[at + pos[kI]]] = fragment_entry<kI>(z, static_cast<int>(c >> 3), static_cast<int>(c & 1));
+      }
+      ++pos[kI];
+      next[kI] = pos[kI] < k ? ids[pos[kI]] : INT64_MAX;
+    }
+  }
+
+  template <typename Tile>
+  __device__ __forceinline__ void pick(const FragmentRows& rows, int64_t v0, const Tile& z) {
+    if (picked == nullptr) return;
+    pick_row<0>(rows, v0, z);
+    pick_row<1>(rows, v0, z);
+  }
+};
 
 // The sums are float64: the loss takes this log-normalizer times the teacher's kept mass, and with
 // float32 sums (and a float32 log) the loss at logit scales ~1e-3 was off by 14x float32 PyTorch's
@@ -22,18 +98,26 @@ struct StudentNormPass {
   static constexpr bool kStudentOnly = true;
   struct Params {
     double* partial;  // [splits, N, 2]: (max, sum relative to it)
+    // The teacher's ids, each row sorted, with their positions, and the [N, K] logits picked at
+    // them (IdPicker; picked may be nullptr).
+    const int64_t* sorted_ids;
+    const int64_t* id_order;
+    float* picked;
+    int64_t k;
   };
   Params p;
   SoftmaxState<double> st[2];
+  IdPicker picker;
 
   __device__ __forceinline__ StudentNormPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
-      : p(params) {}
+      : p(params), picker{params.sorted_ids, params.id_order, params.picked, params.k} {}
 
   template <typename ZS, typename ZT>
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT&) {
     constexpr int kN = ZS::kNTiles;
     const float inv_t = a.inv_temperature;
+    picker.pick(rows, v0, zs);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       if (!rows.valid[i]) continue;
@@ -80,8 +164,8 @@ struct StudentNormPass {
   }
 
   template <typename ZS>
-  __device__ __forceinline__ void tile_piece(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t, int piece,
-                                             const ZS& zs) {
+  __device__ __forceinline__ void tile_piece(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
+                                             int piece, const ZS& zs) {
     if (piece < kMaxPieces) {
       row_max_piece(zs, piece, piece_max);
     } else if (piece == kMaxPieces) {
@@ -112,6 +196,7 @@ struct StudentNormPass {
         for (int i = 0; i < 2; ++i) {
           if (rows.valid[i] && piece_max[i] != -INFINITY) merge(st[i], SoftmaxState<double>{piece_m[i], piece_sum[i]});
         }
+        picker.pick(rows, v0, zs);
       }
     }
   }

@@ -1,16 +1,18 @@
 // CUDA ops of the top-K teacher loss from hidden states (nitrobrew.topk_kl); the algorithm and the
 // per-row math are the CPU op's (csrc/cpu/topk_linear_cpu.cpp, csrc/topk_rows.h).
-//   forward:  gather_logits_kernel forms the K student logits z_{id_k} = xs[n] . ws[id_k] (float32
-//             sums of the gathered rows); for normalize="full" the fused-linear kernels' student-only
-//             pass (StudentNormPass) folds every tile of xs . ws^T into a softmax state per row and
-//             vocabulary split (float64 sums), merged by merge_norm_kernel; the per-row terms are
-//             [N, K] ATen ops.
+//   forward:  for normalize="full" the fused-linear kernels' student-only pass (StudentNormPass)
+//             folds every tile of xs . ws^T into a softmax state per row and vocabulary split
+//             (float64 sums), merged by merge_norm_kernel, and picks the K student logits z_{id_k}
+//             out of its tiles (IdPicker, student_passes.cuh); "topk" has no vocabulary pass, and
+//             gather_logits_kernel forms them as xs[n] . ws[id_k] (float32 sums of the gathered
+//             rows). The per-row terms are [N, K] ATen ops.
 //   backward: "full": per vocabulary chunk (chunked_grads.h), StudentGradPass recomputes the
 //             tiles and writes the dense part of dLoss/dz, write_id_entries_kernel the K ids'
 //             entries, and cuBLAS forms dxs and dws from the chunk. "topk" has only the K ids'
 //             terms: sparse_dxs_kernel gathers K rows of ws per token, sparse_dws_kernel sums the
 //             xs rows of each id (ids sorted into runs).
-// Ids outside [0, V) stop the gather with a device-side assertion (a host check would synchronize).
+// Ids outside [0, V) stop the gather (or check_sorted_ids_kernel) with a device-side assertion (a
+// host check would synchronize).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -63,6 +65,14 @@ __global__ void __launch_bounds__(kGatherThreads)
     for (int mask = 16; mask >= 1; mask >>= 1) sum += shfl(sum, mask);
     if (lane == 0) out[n * k + j] = sum;
   }
+}
+
+// The check of the gather for the picked logits: each row's smallest and largest id.
+__global__ void check_sorted_ids_kernel(const int64_t* __restrict__ sorted, int64_t n_rows, int64_t k,
+                                        int64_t vocab) {
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= n_rows) return;
+  CUDA_KERNEL_ASSERT(sorted[n * k] >= 0 && sorted[n * k + k - 1] < vocab && "teacher_ids must be in [0, V)");
 }
 
 // Merges each row's vocabulary splits (in split order: deterministic) into its log-normalizer
@@ -230,19 +240,27 @@ at::Tensor gather_logits(const Inputs& in, const TopKParams& p) {
   return z;
 }
 
-at::Tensor student_log_normalizer(const Inputs& in, const TopKParams& p) {
+// normalize="full": one pass over the tiles of xs . ws^T gives the student's logits at the ids
+// [N, K] (float32; zeros in masked rows) and its log-normalizer [N, 2] (float64, (max, log-sum)).
+std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const Inputs& in, const TopKParams& p) {
   const LogitTilePasses passes(in.xs, in.xs, in.ws, in.ws, in.labels, student_pass_params(p, in.labels.has_value()));
   const auto options = in.xs.options().dtype(at::kDouble);
   at::Tensor partial = at::empty({passes.forward_splits(), p.num_rows, 2}, options);
   at::Tensor norm = at::empty({p.num_rows, 2}, options);
-  if (p.num_rows == 0) return norm;
-  passes.student_norm_pass(partial);
+  at::Tensor z = at::zeros({p.num_rows, p.k}, in.xs.options().dtype(at::kFloat));
+  if (p.num_rows == 0) return {z, norm};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto [sorted, order] = at::sort(in.ids, /*stable=*/c10::optional<bool>(true), /*dim=*/1, /*descending=*/false);
+  const at::Tensor sorted_ids = sorted.contiguous(), id_order = order.contiguous();
   const int blocks = static_cast<int>((p.num_rows + 255) / 256);
-  merge_norm_kernel<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      partial.data_ptr<double>(), passes.forward_splits(), p.num_rows,
-      in.labels.has_value() ? in.labels->data_ptr<int64_t>() : nullptr, p.ignore_index, norm.data_ptr<double>());
+  check_sorted_ids_kernel<<<blocks, 256, 0, stream>>>(sorted_ids.data_ptr<int64_t>(), p.num_rows, p.k, p.vocab_size);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return norm;
+  passes.student_norm_pass(partial, sorted_ids, id_order, z);
+  merge_norm_kernel<<<blocks, 256, 0, stream>>>(partial.data_ptr<double>(), passes.forward_splits(), p.num_rows,
+                                                in.labels.has_value() ? in.labels->data_ptr<int64_t>() : nullptr,
+                                                p.ignore_index, norm.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {z, norm};
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKGradTerms& terms,
@@ -291,8 +309,12 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_distill_fwd_cuda(const at::Tensor
                                                temperature, renormalize, chunk_v, /*check_ids_on_host=*/false);
   const c10::cuda::CUDAGuard guard(xs_in.device());
   const Inputs in = prepare(xs_in, ws_in, teacher_ids, labels_in);
-  const at::Tensor z = gather_logits(in, p);
-  const at::Tensor norm = renormalize ? at::Tensor() : student_log_normalizer(in, p);
+  at::Tensor z, norm;
+  if (renormalize) {
+    z = gather_logits(in, p);
+  } else {
+    std::tie(z, norm) = student_logits_and_log_normalizer(in, p);
+  }
   auto [loss, stats] =
       topk_rows_forward(z, norm, teacher_logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
   return {loss.to(at::kFloat), stats};
