@@ -2,8 +2,9 @@
 
 The teacher is what was stored offline: for each token, the ids of its K most likely tokens and their
 log-probabilities over its full vocabulary. The student's logits s = xs[n] @ ws.T / temperature are
-never written to memory: the K logits come from K gathered rows of ws, the log-normalizer over the
-vocabulary from a tiled online pass, and the backward recomputes the tiles. nitrobrew.logits.topk_kl
+never written to memory: for normalize="full" a tiled online pass gives the log-normalizer over the
+vocabulary and picks the K logits out of its tiles, and the backward recomputes the tiles; for "topk"
+the K logits come from K gathered rows of ws. nitrobrew.logits.topk_kl
 computes the same loss from logits the caller holds.
 """
 
