@@ -3,7 +3,7 @@
 // this path only where the loaded binary is sm_90a, see logit_passes.cu).
 //
 // A block computes 128-row x 256-vocabulary logit tiles of the student and the teacher:
-//   warpgroup 0 (producer; its thread 0 alone, Loader): streams 32-wide K slabs of X (128 rows)
+//   warpgroup 0 (producer; its warp 0 alone, Loader): streams 32-wide K slabs of X (128 rows)
 //     and W (256 rows) into a ring of kStages shared-memory stages with cp.async.bulk.tensor
 //     (TMA, 64-byte swizzle); each stage has a "full" mbarrier (TMA bytes landed) and an
 //     "empty" one (consumers are done), and is refilled as soon as both consumers release it.
@@ -45,7 +45,7 @@ constexpr int kRows = 128;      // block tile rows: 2 consumer warpgroups x 64
 constexpr int kCols = 256;      // vocabulary entries per tile (the wgmma N; 192 with 6 stages was 8% slower)
 constexpr int kK = 32;          // K per slab: 32 16-bit values = one 64-byte swizzle row
 constexpr int kStages = 4;      // shared-memory ring depth
-// A producer warpgroup (whose thread 0 alone loads) and 2 consumer warpgroups. Loads must never
+// A producer warpgroup (whose warp 0 alone loads) and 2 consumer warpgroups. Loads must never
 // wait for the consumers' math: with thread 0 of a consumer producing, the kernel ran at the
 // speed of a copy-only model of its loads (tools/tma_stream_bench.cu, benchmarks/NOTES.md). The
 // 3 warps per SM sub-partition start at 168 registers each; setmaxnreg then moves the
@@ -217,46 +217,71 @@ struct RingPosition {
 };
 using RingSlot = RingPosition<kStages>;
 
-// The producer: one thread that streams the block's slabs into the ring, in the order the
-// consumers multiply them: per vocabulary tile, the student's K slabs, then the teacher's (none
-// for a student-only pass: k_slabs_t = 0). In a cluster of kCluster blocks (row blocks of one
-// split) it loads its own X slab and its share (`rank`) of the W slab, multicast to every block of
-// the cluster; a stage is then refilled once the consumers of all of them have released it.
+// The producer: warp 0 of the producer warpgroup streams the block's slabs into the ring, in the
+// order the consumers multiply them: per vocabulary tile, the student's K slabs, then the
+// teacher's (none for a student-only pass: k_slabs_t = 0). In a cluster of kCluster blocks (row
+// blocks of one split) it loads its own X slab and its share (`rank`) of the W slab, multicast to
+// every block of the cluster; a stage is then refilled once the consumers of all of them have
+// released it. Every lane walks the slabs, so the loop's values are warp-uniform, and one elected
+// lane issues the barrier arrival and the copies; addresses are computed once. (A single producer
+// thread took ~80 instructions, ~450 cycles, per slab on the H100 (ncu), each copy's operands going
+// through an ELECT / R2UR / BRA.U.ANY loop; the warp made the forward 2.4% faster on Llama-3's
+// shape and changed nothing measurable on the Qwen shape: benchmarks/NOTES.md.)
 template <int kCluster>
 struct Loader {
-  static constexpr int kWBoxRows = kCols / kCluster;  // the W maps' box (logit_passes.cu)
-  const TensorMaps* maps;
-  uint8_t* smem;
-  uint64_t* full;
-  uint64_t* empty;
-  int32_t row0;
+  static constexpr int kWBoxRows = kCols / kCluster;
+  uint64_t map_xs, map_xt, map_ws, map_wt;
+  uint32_t stage0;          // shared address of stage 0
+  uint32_t full0, empty0;   // shared addresses of stage 0's barriers
+  int32_t row0, w_row_offset;  // X rows; this block's share of each W slab
+  uint32_t w_offset;           // its offset in the stage
   int64_t tile, last;
   int k_slabs_s, k_slabs_t;
-  int32_t rank;
+  bool leader;
   int teacher = 0, ks = 0;
   RingSlot slot;
 
-  // Loads the next slab once its stage is free; nothing when all are loaded.
-  __device__ __forceinline__ void load_next() {
-    if (tile >= last) return;
-    mbar_wait(&empty[slot.stage], slot.phase ^ 1);
-    uint8_t* stage = smem + slot.stage * kStageBytes;
-    mbar_arrive_expect_tx(&full[slot.stage], kStageBytes);
-    const int32_t v0 = static_cast<int32_t>(tile * kCols);
-    const CUtensorMap* x = teacher ? &maps->xt : &maps->xs;
-    const CUtensorMap* w = teacher ? &maps->wt : &maps->ws;
-    tma_load(stage, x, ks * kK, row0, &full[slot.stage]);
-    if constexpr (kCluster == 1) {
-      tma_load(stage + kXSlabBytes, w, ks * kK, v0, &full[slot.stage]);
-    } else {
-      tma_load_multicast(stage + kXSlabBytes + rank * kWBoxRows * kK * 2, w, ks * kK, v0 + rank * kWBoxRows,
-                         &full[slot.stage], (1u << kCluster) - 1);
-    }
-    slot.advance();
-    if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
-      ks = 0;
-      teacher = !teacher && k_slabs_t > 0;  // no teacher slabs: student-only passes
-      if (!teacher) ++tile;
+  __device__ __forceinline__ Loader(const TensorMaps* maps, const uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                    int32_t row0_, int64_t first, int64_t last_, int slabs_s, int slabs_t, int32_t rank)
+      : map_xs(reinterpret_cast<uint64_t>(&maps->xs)),
+        map_xt(reinterpret_cast<uint64_t>(&maps->xt)),
+        map_ws(reinterpret_cast<uint64_t>(&maps->ws)),
+        map_wt(reinterpret_cast<uint64_t>(&maps->wt)),
+        stage0(smem_addr(smem)),
+        full0(smem_addr(full)),
+        empty0(smem_addr(empty)),
+        row0(row0_),
+        w_row_offset(rank * kWBoxRows),
+        w_offset(kXSlabBytes + rank * kWBoxRows * kK * 2),
+        tile(first),
+        last(last_),
+        k_slabs_s(slabs_s),
+        k_slabs_t(slabs_t),
+        leader(elect_one()) {}
+
+  __device__ __forceinline__ void load_all() {
+    while (tile < last) {
+      const uint32_t full = full0 + 8 * slot.stage;
+      mbar_wait(empty0 + 8 * slot.stage, slot.phase ^ 1);
+      if (leader) {
+        const uint32_t stage = stage0 + slot.stage * kStageBytes;
+        const int32_t k = ks * kK, v0 = static_cast<int32_t>(tile * kCols);
+        mbar_arrive_expect_tx(full, kStageBytes);
+        tma_load(stage, teacher ? map_xt : map_xs, k, row0, full);
+        if constexpr (kCluster == 1) {
+          tma_load(stage + w_offset, teacher ? map_wt : map_ws, k, v0, full);
+        } else {
+          tma_load_multicast(stage + w_offset, teacher ? map_wt : map_ws, k, v0 + w_row_offset, full,
+                             (1u << kCluster) - 1);
+        }
+      }
+      __syncwarp();
+      slot.advance();
+      if (++ks == (teacher ? k_slabs_t : k_slabs_s)) {
+        ks = 0;
+        teacher = !teacher && k_slabs_t > 0;  // no teacher slabs: student-only passes
+        if (!teacher) ++tile;
+      }
     }
   }
 };
@@ -372,11 +397,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 168 (8 x 240 + 4 x 24 does exactly); a consumer asking for more would wait forever.
   if (threadIdx.x < kProducerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
       const int32_t rank = static_cast<int32_t>(blockIdx.x % kCluster);
-      Loader<kCluster> loader{&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t,
-                              rank};
-      while (loader.tile < last) loader.load_next();  // waits for each stage's release
+      Loader<kCluster> loader(&maps, smem, full, empty, static_cast<int32_t>(row0), first, last, k_slabs_s, k_slabs_t,
+                              rank);
+      loader.load_all();  // waits for each stage's release
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
