@@ -18,7 +18,6 @@ median of --iters calls.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import statistics
 import sys
@@ -29,21 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fused_linear import METHODS  # noqa: E402
-from harness import device_name  # noqa: E402
+from harness import device_name, time_runs, write_csv  # noqa: E402
 
 SHAPES = {"qwen": (152064, 3584, 5120), "llama3": (128256, 2048, 4096)}
-
-
-def timed(fn, iters):
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def methods(n, vocab, d_s, d_t):
@@ -93,7 +80,7 @@ def main():
             for r in range(args.rounds):
                 shift = r % len(names)
                 for name in names[shift:] + names[:shift]:
-                    times[name].append(timed(runs[name], args.iters))
+                    times[name].append(statistics.median(time_runs(runs[name], torch.device("cuda"), 0, args.iters)))
             floor = statistics.median(times["four"])
             for name, rounds in times.items():
                 ms = statistics.median(rounds)
@@ -103,10 +90,7 @@ def main():
                 print(row, flush=True)
             del runs
             torch.cuda.empty_cache()
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, list(rows[0]), rows)
 
 
 if __name__ == "__main__":
