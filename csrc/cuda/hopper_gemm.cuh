@@ -229,7 +229,7 @@ using RingSlot = RingPosition<kStages>;
 // shape and changed nothing measurable on the Qwen shape: benchmarks/NOTES.md.)
 template <int kCluster>
 struct Loader {
-  static constexpr int kWBoxRows = kCols / kCluster;
+  static constexpr int kWBoxRows = kCols / kCluster;  // the W maps' box (logit_passes.cu)
   uint64_t map_xs, map_xt, map_ws, map_wt;
   uint32_t stage0;          // shared address of stage 0
   uint32_t full0, empty0;   // shared addresses of stage 0's barriers
