@@ -80,29 +80,21 @@ __device__ __forceinline__ void tma_load_multicast(uint32_t dst, uint64_t map, i
       : "memory");
 }
 
+// The same from pointers.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
+  mbar_arrive_expect_tx(smem_addr(bar), bytes);
 }
 
 // The map's box at (column k, row) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int32_t k, int32_t row, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar))
-      : "memory");
+  tma_load(smem_addr(dst), reinterpret_cast<uint64_t>(map), k, row, smem_addr(bar));
 }
 
 // The box at (column k, row) into shared memory at this offset in every cluster block of `mask`;
 // completes on each one's mbarrier at the offset of `bar`.
 __device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int32_t k, int32_t row,
                                                    uint64_t* bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_addr(bar)), "h"(mask)
-      : "memory");
+  tma_load_multicast(smem_addr(dst), reinterpret_cast<uint64_t>(map), k, row, smem_addr(bar), mask);
 }
 
 // The box at (column k, head, row, batch) of a 4-D map into shared memory; completes on `bar`.
