@@ -1,5 +1,9 @@
 // Every schema of the nitrobrew library, defined once. Device implementations register
-// themselves next to their kernels (cpu/, cuda/) with TORCH_LIBRARY_IMPL.
+// themselves next to their kernels (each family's cpu.cpp and CUDA sources) with TORCH_LIBRARY_IMPL.
+//
+// `divergence` names the loss: "forward_kl" KL(q||p), "reverse_kl" KL(p||q) or "jsd" (generalized
+// JSD with mixture weight `beta`, which the two KLs do not read; JSD(0) and JSD(1) are the two KLs).
+// p is the student's distribution, q the teacher's (divergence/online_state.h).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -10,77 +14,77 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(nitrobrew, m) {
-  // Fused-linear distillation, forward. Student logits softcap_s(xs . ws^T) / temperature,
-  // teacher logits likewise, over the first vocab_size rows of ws and wt. beta selects the
-  // divergence: 0 forward KL(q||p), 1 reverse KL(p||q), otherwise JSD(beta).
+  // Fused-linear distillation (fused_linear/), forward. Student logits softcap_s(xs . ws^T) /
+  // temperature, teacher logits likewise, over the first vocab_size rows of ws and wt.
   // Returns (loss [N], row_stats [N, 7]) in float32 (float64 for float64 inputs); the
-  // columns of row_stats are listed by RowStat in fused_linear_params.h. Rows whose label
+  // columns of row_stats are listed by RowStat in divergence/row_stats.h. Rows whose label
   // is ignore_index get zeros.
   m.def(
-      "fused_linear_distill_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, "
-      "int ignore_index, float beta, float temperature, float ce_weight, float? softcap_s, "
+      "fused_linear_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, "
+      "int ignore_index, str divergence, float beta, float temperature, float ce_weight, float? softcap_s, "
       "float? softcap_t, int vocab_size, int chunk_v) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient and the forward's per-row
   // statistics, returns (dxs, dws); each is an empty tensor when not requested.
   m.def(
-      "fused_linear_distill_bwd(Tensor grad_loss, Tensor xs, Tensor xt, Tensor ws, Tensor wt, "
+      "fused_linear_bwd(Tensor grad_loss, Tensor xs, Tensor xt, Tensor ws, Tensor wt, "
       "Tensor? labels, Tensor row_stats, int ignore_index, "
-      "float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
+      "str divergence, float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
       "int vocab_size, int chunk_v, bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
 
-  // Logit-level distillation (nitrobrew.logits), forward: the fused-linear losses from the [N, V]
-  // logits zs, zt themselves (entries of -inf allowed: they have probability 0). Same outputs
-  // and row statistics as fused_linear_distill_fwd; every row needs a finite logit per model.
+  // Distillation from logits (logits/, nitrobrew.logits), forward: the fused-linear losses from the
+  // [N, V] logits zs, zt themselves (entries of -inf allowed: they have probability 0). Same outputs
+  // and row statistics as fused_linear_fwd; every row needs a finite logit per model.
   m.def(
-      "logit_distill_fwd(Tensor zs, Tensor zt, Tensor? labels, int ignore_index, float beta, "
+      "logits_fwd(Tensor zs, Tensor zt, Tensor? labels, int ignore_index, str divergence, float beta, "
       "float temperature) -> (Tensor, Tensor)");
   // Recompute backward: dLoss/dzs [N, V] in zs's dtype from the per-row upstream gradient.
   m.def(
-      "logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
-      "int ignore_index, float beta, float temperature) -> Tensor");
+      "logits_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
+      "int ignore_index, str divergence, float beta, float temperature) -> Tensor");
 
-  // Top-K teacher distillation from the student's [N, V] logits: forward KL over the K ids the
+  // Top-K teacher distillation from the student's [N, V] logits (logits/): forward KL over the K ids the
   // teacher kept ([N, K] int64 teacher_ids, any order; teacher_logprobs its log-probabilities over
   // its full vocabulary), sum_k q_k (log q_k - log p_{id_k}), the temperature on the student only.
   // renormalize: both distributions renormalized over the K ids ("topk"), else the student's over
   // the vocabulary and q_k as given ("full"). Returns loss [N] (float32, float64 for float64 inputs)
-  // and row_stats [N, 4 + K] (float64: TopKRowStat, then the K student logits at the ids).
+  // and row_stats [N, 4 + K] (float64: TopKRowStat in divergence/topk.h, then the K student logits at
+  // the ids).
   m.def(
-      "topk_logit_distill_fwd(Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
+      "topk_logits_fwd(Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
       "int ignore_index, float temperature, bool renormalize) -> (Tensor, Tensor)");
   // Recompute backward: dLoss/dzs [N, V] in zs's dtype.
   m.def(
-      "topk_logit_distill_bwd(Tensor grad_loss, Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "topk_logits_bwd(Tensor grad_loss, Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize) -> Tensor");
 
-  // Top-K teacher distillation from the student's hidden states xs [N, D] and unembedding ws [V, D]:
-  // the loss of topk_logit_distill_fwd for the logits xs . ws^T, never formed: the K logits are dot
-  // products with gathered rows of ws, the log-normalizer ("full") an online pass over vocabulary
-  // chunks (chunk_v wide on the CPU, 0 = automatic). Returns loss [N] (float32, float64 for float64
-  // inputs) and row_stats [N, 4 + K] (float64: TopKRowStat, then the K gathered logits).
+  // Top-K teacher distillation from the student's hidden states xs [N, D] and unembedding ws [V, D]
+  // (topk_linear/): the loss of topk_logits_fwd for the logits xs . ws^T, never formed: "full" walks
+  // the vocabulary online (chunk_v wide on the CPU, 0 = automatic) for the log-normalizer and picks
+  // the K logits out of its tiles; "topk" takes the K logits as dot products with gathered rows of ws. Returns loss [N] (float32, float64 for float64
+  // inputs) and row_stats [N, 4 + K] (float64: TopKRowStat, then the K student logits).
   m.def(
-      "topk_linear_distill_fwd(Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
+      "topk_linear_fwd(Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
       "int ignore_index, float temperature, bool renormalize, int chunk_v) -> (Tensor, Tensor)");
   // Recompute backward: (dxs, dws), each an empty tensor when not requested.
   m.def(
-      "topk_linear_distill_bwd(Tensor grad_loss, Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "topk_linear_bwd(Tensor grad_loss, Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize, int chunk_v, "
       "bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
 
-  // Attention-distribution KL, forward. Layout [B, N, H, D]; scores scale * q.k / temperature
-  // per model, keys hidden by key_mask ([B, N_k] bool, true = attended) or by the
-  // bottom-right causal mask excluded. reverse: KL(student || teacher), else KL(teacher ||
-  // student), per query row. Returns (loss [B, H, N_q], row_stats [B, H, N_q, 5]) in float32
+  // Attention-distribution KL (attention_kl/), forward. Layout [B, N, H, D]; scores
+  // scale * q.k / temperature per model, keys hidden by key_mask ([B, N_k] bool, true = attended)
+  // or by the bottom-right causal mask excluded. divergence: "forward_kl" KL(teacher || student)
+  // or "reverse_kl" KL(student || teacher), per query row. Returns (loss [B, H, N_q], row_stats [B, H, N_q, 5]) in float32
   // (float64 for float64 inputs); rows that see no key get zeros.
   m.def(
-      "attention_kl_fwd(Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, bool reverse, "
+      "attention_kl_fwd(Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, str divergence, "
       "bool causal, float scale_s, float scale_t, float temperature, bool deterministic) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient [B, H, N_q] and the forward's
   // row statistics, returns (dq_s, dk_s). deterministic: no floating-point atomics (the CUDA
   // kernels then recompute the scores once more; the forward ignores it, autograd passes it on).
   m.def(
       "attention_kl_bwd(Tensor grad_loss, Tensor q_s, Tensor k_s, Tensor q_t, Tensor k_t, Tensor? key_mask, "
-      "Tensor row_stats, bool reverse, bool causal, float scale_s, float scale_t, float temperature, "
+      "Tensor row_stats, str divergence, bool causal, float scale_s, float scale_t, float temperature, "
       "bool deterministic) "
       "-> (Tensor, Tensor)");
 }

@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
     args = parser.parse_args()
     if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() and "cuda" in kernel_device_types() else "cpu"
+        args.device = "cuda" if torch.cuda.is_available() and "cuda" in kernel_device_types("fused_linear_fwd") else "cpu"
         if torch.cuda.is_available() and args.device == "cpu":
             print("note: a GPU is present but this build of nitrobrew has no CUDA kernels; running on the CPU")
     for key, value in DEFAULTS[args.device].items():
@@ -140,7 +140,7 @@ def main():
         return nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, temperature=args.temperature)
 
     def naive(xs, xt, ws, wt, labels):  # logits materialized in float32
-        return reference.fused_linear_distill(xs, xt, ws, wt, beta=beta, labels=labels,
+        return reference.fused_linear(xs, xt, ws, wt, beta=beta, labels=labels,
                                               temperature=args.temperature, dtype=torch.float32)
 
     results = {}

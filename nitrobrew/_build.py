@@ -4,6 +4,8 @@ Build knobs (environment variables):
   NITROBREW_CUDA_ARCHS  CUDA architectures, ';'- or ','-separated (default "8.0;9.0a")
   NITROBREW_NO_CUDA=1   build the CPU-only extension even where CUDA is available
   DEBUG=1               -O0 -g host code, -G -lineinfo device code
+  NITROBREW_DEV_KNOBS=1 a development build: compiles in the measuring and testing switches that
+                        shipped builds lack (docs/development.md)
   MAX_JOBS              parallel compile jobs (read by torch.utils.cpp_extension)
 """
 
@@ -20,12 +22,18 @@ def source_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _csrc(root: str, pattern: str) -> list[str]:
+    return glob.glob(os.path.join(root, "csrc", "**", pattern), recursive=True)
+
+
 def cpp_sources(root: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(root, "csrc", "*.cpp")) + glob.glob(os.path.join(root, "csrc", "cpu", "*.cpp")))
+    """Sources of every build: the schemas, the checks and the CPU kernels (*.cpp but *_cuda.cpp)."""
+    return sorted(p for p in _csrc(root, "*.cpp") if not p.endswith("_cuda.cpp"))
 
 
 def cuda_sources(root: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(root, "csrc", "cuda", "*.cpp")))
+    """Sources of the CUDA build alone: the kernels (*.cu) and their host code (*_cuda.cpp)."""
+    return sorted(_csrc(root, "*.cu") + _csrc(root, "*_cuda.cpp"))
 
 
 def cuda_wanted() -> bool:
@@ -61,11 +69,19 @@ def debug() -> bool:
     return os.environ.get("DEBUG", "0") == "1"
 
 
+def dev_knobs() -> bool:
+    return os.environ.get("NITROBREW_DEV_KNOBS", "0") == "1"
+
+
+def _knob_defines() -> list[str]:
+    return ["-DNITROBREW_DEV_KNOBS"] if dev_knobs() else []
+
+
 def cxx_flags() -> list[str]:
-    return ["-O0", "-g"] if debug() else ["-O3"]
+    return (["-O0", "-g"] if debug() else ["-O3"]) + _knob_defines()
 
 
 def nvcc_flags() -> list[str]:
     base = ["-O0", "-G", "-lineinfo"] if debug() else ["-O3", "-lineinfo"]
     # The C++ standard is left to torch.utils.cpp_extension, which picks the one its headers need.
-    return base + ["--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + gencode_flags()
+    return base + ["--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + _knob_defines() + gencode_flags()

@@ -126,3 +126,12 @@ def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Siz
     k = teacher_ids.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
+
+
+def autocast_inputs(*tensors):
+    """Under torch.autocast, compute in its dtype, as the lm_head matmuls it replaces would."""
+    device_type = tensors[0].device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)

@@ -53,7 +53,7 @@ def load_extension() -> None:
         raise ImportError(f"{_BUILD_HINT}\n(import error: {error})") from error
 
 
-def kernel_device_types(op: str = "fused_linear_distill_fwd") -> frozenset:
+def kernel_device_types(op: str) -> frozenset:
     """The device types ("cpu", "cuda") this build registered kernels of nitrobrew::op for."""
     import torch
 

@@ -21,23 +21,31 @@ import torch
 from torch import Tensor
 
 from nitrobrew import _checks
+from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
-from nitrobrew.ops import fused_linear_distill
+from nitrobrew._registration import ops, register_recompute_op, row_outputs
 
 __all__ = ["forward_kl", "reverse_kl", "jsd"]
 
+# Columns of the forward's per-row statistics (RowStat in csrc/divergence/row_stats.h).
+NUM_ROW_STATS = 7
+
+
+def _fake_forward(xs, xt, ws, wt, labels, *options):
+    torch._check(xs.dim() == 2 and xt.dim() == 2, lambda: "xs and xt must be 2-D")
+    torch._check(ws.dim() == 2 and wt.dim() == 2, lambda: "ws and wt must be 2-D")
+    torch._check(xs.shape[0] == xt.shape[0], lambda: "xs and xt must have the same number of rows")
+    torch._check(ws.shape[1] == xs.shape[1], lambda: "ws must be [V, D_s]")
+    torch._check(wt.shape[1] == xt.shape[1], lambda: "wt must be [V, D_t]")
+    return row_outputs(xs, xs.shape[0], NUM_ROW_STATS)
+
+
+# fused_linear_fwd(xs, xt, ws, wt, labels, *options); gradients to xs and ws (the teacher's xt, wt get none).
+register_recompute_op("fused_linear", n_tensors=5, differentiable=(0, 2), fake_forward=_fake_forward, needs_flags=True)
+
 # Read once at import: torch.compile cannot trace the dispatcher query itself.
-_KERNEL_DEVICE_TYPES = kernel_device_types()
-
-
-def autocast_inputs(*tensors):
-    """Under torch.autocast, compute in its dtype, as the lm_head matmuls it replaces would."""
-    device_type = tensors[0].device.type
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+_KERNEL_DEVICE_TYPES = kernel_device_types("fused_linear_fwd")
 
 
 def _resolve_vocab_size(ws: Tensor, wt: Tensor, vocab_size) -> int:
@@ -58,9 +66,24 @@ def _resolve_vocab_size(ws: Tensor, wt: Tensor, vocab_size) -> int:
 
 
 def _fused_linear_loss(
-    xs, xt, ws, wt, *, beta, temperature, reduction, labels, ignore_index, chunk_V, ce_weight, softcap_s,
-    softcap_t, vocab_size,
+    divergence: str,
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    chunk_V: int | None = None,
+    ce_weight: float = 0.0,
+    softcap_s: float | None = None,
+    softcap_t: float | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
+    """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
@@ -78,7 +101,7 @@ def _fused_linear_loss(
     if wt.shape[1] != xt.shape[-1]:
         raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
-    xs, xt, ws, wt = autocast_inputs(xs, xt, ws, wt)
+    xs, xt, ws, wt = _checks.autocast_inputs(xs, xt, ws, wt)
     if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
         mismatch = "xs and ws" if ws.dtype != xs.dtype else "xt and wt" if wt.dtype != xt.dtype else "student and teacher"
         raise TypeError(
@@ -101,109 +124,33 @@ def _fused_linear_loss(
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
 
     flat_labels = labels.reshape(-1) if labels is not None else None
-    loss = fused_linear_distill(
-        xs.reshape(-1, xs.shape[-1]),
-        xt.reshape(-1, xt.shape[-1]),
-        ws,
-        wt,
-        flat_labels,
-        ignore_index=ignore_index,
-        beta=beta,
-        temperature=temperature,
-        ce_weight=ce_weight,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        vocab_size=vocab_size,
-        chunk_v=chunk_V or 0,
+    loss, _ = ops.fused_linear_fwd(
+        xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt, flat_labels, ignore_index, divergence,
+        beta, temperature, ce_weight, softcap_s, softcap_t, vocab_size, chunk_V or 0,
     )
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
 
 
-def forward_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    labels: Tensor | None = None,
-    ignore_index: int = -100,
-    chunk_V: int | None = None,
-    ce_weight: float = 0.0,
-    softcap_s: float | None = None,
-    softcap_t: float | None = None,
-    vocab_size: int | None = None,
-) -> Tensor:
-    """Forward KL(teacher || student) per token, from hidden states and unembeddings.
+_ARGUMENTS = """From hidden states and unembeddings: the student's logits are softcap_s(xs @ ws.T) / temperature,
+the teacher's softcap_t(xt @ wt.T) / temperature, over the first vocab_size rows of the weights; they
+are never written to memory.
 
-    Args:
-        xs: [..., D_s] student hidden states. xt: [..., D_t] teacher hidden states, same leading shape.
-        ws: [V, D_s] student unembedding. wt: [V, D_t] teacher unembedding (no gradient).
-        temperature: divides both models' (soft-capped) logits.
-        reduction: "none" (leading shape of xs, masked tokens 0), "sum", "mean" (sum over unmasked
-            tokens / their number, 0 when none) or "batchmean" (= "mean").
-        labels: int64, leading shape of xs; tokens whose label is ignore_index are masked.
-        chunk_V: vocabulary tile width of the CPU kernel (None = automatic).
-        ce_weight: adds ce_weight * cross-entropy of the student's temperature-1 logits at labels.
-        softcap_s, softcap_t: Gemma-style cap c * tanh(z / c) per model, before the temperature.
-        vocab_size: real vocabulary entries when ws / wt are padded; rows past it are excluded.
+Args:
+    xs: [..., D_s] student hidden states. xt: [..., D_t] teacher hidden states, same leading shape.
+    ws: [V, D_s] student unembedding. wt: [V, D_t] teacher unembedding (no gradient).
+    beta (jsd only): the mixture weight, in [0, 1].
+    temperature: divides both models' (soft-capped) logits.
+    reduction: "none" (leading shape of xs, masked tokens 0), "sum", "mean" (sum over unmasked
+        tokens / their number, 0 when none) or "batchmean" (= "mean").
+    labels: int64, leading shape of xs; tokens whose label is ignore_index are masked.
+    ignore_index: the label value of masked tokens.
+    chunk_V: vocabulary tile width of the CPU kernel (None = automatic).
+    ce_weight: adds ce_weight * cross-entropy of the student's temperature-1 logits at labels.
+    softcap_s, softcap_t: Gemma-style cap c * tanh(z / c) per model, before the temperature.
+    vocab_size: real vocabulary entries when ws / wt are padded; rows past it are excluded.
 
-    Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs and ws.
-    """
-    return _fused_linear_loss(
-        xs, xt, ws, wt, beta=0.0, temperature=temperature, reduction=reduction, labels=labels,
-        ignore_index=ignore_index, chunk_V=chunk_V, ce_weight=ce_weight, softcap_s=softcap_s,
-        softcap_t=softcap_t, vocab_size=vocab_size,
-    )
+Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs and ws.
+nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
+"""
 
-
-def reverse_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    labels: Tensor | None = None,
-    ignore_index: int = -100,
-    chunk_V: int | None = None,
-    ce_weight: float = 0.0,
-    softcap_s: float | None = None,
-    softcap_t: float | None = None,
-    vocab_size: int | None = None,
-) -> Tensor:
-    """Reverse KL(student || teacher) per token; arguments as in forward_kl."""
-    return _fused_linear_loss(
-        xs, xt, ws, wt, beta=1.0, temperature=temperature, reduction=reduction, labels=labels,
-        ignore_index=ignore_index, chunk_V=chunk_V, ce_weight=ce_weight, softcap_s=softcap_s,
-        softcap_t=softcap_t, vocab_size=vocab_size,
-    )
-
-
-def jsd(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    labels: Tensor | None = None,
-    ignore_index: int = -100,
-    chunk_V: int | None = None,
-    ce_weight: float = 0.0,
-    softcap_s: float | None = None,
-    softcap_t: float | None = None,
-    vocab_size: int | None = None,
-) -> Tensor:
-    """Generalized Jensen-Shannon divergence beta * KL(q || M) + (1 - beta) * KL(p || M) with
-    M = (1 - beta) p + beta q (TRL / Liger convention: beta = 0 is forward KL, beta = 1 reverse KL);
-    other arguments as in forward_kl."""
-    return _fused_linear_loss(
-        xs, xt, ws, wt, beta=beta, temperature=temperature, reduction=reduction, labels=labels,
-        ignore_index=ignore_index, chunk_V=chunk_V, ce_weight=ce_weight, softcap_s=softcap_s,
-        softcap_t=softcap_t, vocab_size=vocab_size,
-    )
+forward_kl, reverse_kl, jsd = divergence_functions(_fused_linear_loss, __name__, _ARGUMENTS)

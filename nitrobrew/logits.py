@@ -11,21 +11,43 @@ every row needs a finite logit in both models (on the CPU a row without one is a
 loss and gradient are NaN, as a check would need a host synchronization). Only zs receives a
 gradient. The forward reads each logit once (JSD: twice); the backward recomputes from per-row
 statistics and writes dLoss/dzs. CPU and CUDA kernels.
-nitrobrew.reference.logit_distill holds the same definitions as plain PyTorch.
+nitrobrew.reference.logits holds the same definitions as plain PyTorch.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+import torch
+
 from nitrobrew import _checks
+from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
-from nitrobrew.ops import logit_distill, topk_logit_distill
+from nitrobrew._registration import ops, register_recompute_op, row_outputs
+from nitrobrew.fused_linear import NUM_ROW_STATS
+from nitrobrew.topk_linear import NUM_TOPK_ROW_STATS
 
 __all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl"]
 
-_KERNEL_DEVICE_TYPES = kernel_device_types()
+
+def _fake_forward(zs, zt, labels, *options):
+    torch._check(zs.dim() == 2 and zs.shape == zt.shape, lambda: "zs and zt must be [N, V] of one shape")
+    return row_outputs(zs, zs.shape[0], NUM_ROW_STATS)
+
+
+def _fake_topk_forward(zs, teacher_ids, teacher_logprobs, labels, *options):
+    torch._check(zs.dim() == 2 and teacher_ids.dim() == 2, lambda: "zs must be [N, V] and teacher_ids [N, K]")
+    # The row statistics, then the K student logits at the ids (as the ops from hidden states keep them).
+    return row_outputs(zs, zs.shape[0], NUM_TOPK_ROW_STATS + teacher_ids.shape[1], dtype=torch.float64)
+
+
+# logits_fwd(zs, zt, labels, *options), topk_logits_fwd(zs, teacher_ids, teacher_logprobs, labels, *options):
+# the gradient flows to zs alone.
+register_recompute_op("logits", n_tensors=3, differentiable=(0,), fake_forward=_fake_forward)
+register_recompute_op("topk_logits", n_tensors=4, differentiable=(0,), fake_forward=_fake_topk_forward)
+
+_KERNEL_DEVICE_TYPES = kernel_device_types("logits_fwd")
 
 
 def _common_checks(zs, temperature, reduction, labels, ignore_index):
@@ -38,7 +60,9 @@ def _common_checks(zs, temperature, reduction, labels, ignore_index):
     return temperature, reduction, labels
 
 
-def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -> Tensor:
+def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
+                 reduction: str = "mean", labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+    """The one signature of forward_kl, reverse_kl and jsd from logits (beta is jsd's alone)."""
     for name, value in (("zs", zs), ("zt", zt)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
@@ -53,35 +77,27 @@ def _logit_loss(zs, zt, *, beta, temperature, reduction, labels, ignore_index) -
     lead_shape = zs.shape[:-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
     vocab = zs.shape[-1]
-    loss = logit_distill(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index=ignore_index,
-                         beta=beta, temperature=temperature)
+    loss, _ = ops.logits_fwd(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index, divergence, beta,
+                             temperature)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
 
 
-def forward_kl(zs: Tensor, zt: Tensor, *, temperature: float = 1.0, reduction: str = "mean",
-               labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
-    """Forward KL(teacher || student) per row of zs, zt: [..., V] (float32, float64, bf16 or fp16).
+_ARGUMENTS = """From logits the caller holds: s = zs / temperature, t = zt / temperature.
 
+Args:
+    zs, zt: [..., V] student and teacher logits of one shape and dtype (float32, float64, bfloat16 or
+        float16). -inf entries have probability 0.
+    beta (jsd only): the mixture weight, in [0, 1].
+    temperature: divides both models' logits.
     reduction: "none" (leading shape, masked rows 0), "sum", "mean" (over unmasked rows; 0 when none) or
-    "batchmean" (= "mean"). labels: int64, leading shape; rows whose label is ignore_index are masked.
-    Returns float32 (float64 for float64 inputs); the gradient flows to zs only.
-    """
-    return _logit_loss(zs, zt, beta=0.0, temperature=temperature, reduction=reduction, labels=labels,
-                       ignore_index=ignore_index)
+        "batchmean" (= "mean").
+    labels: int64, leading shape; rows whose label is ignore_index are masked.
+    ignore_index: the label value of masked rows.
 
+Returns float32 (float64 for float64 inputs); the gradient flows to zs only.
+"""
 
-def reverse_kl(zs: Tensor, zt: Tensor, *, temperature: float = 1.0, reduction: str = "mean",
-               labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
-    """Reverse KL(student || teacher) per row; arguments as in forward_kl."""
-    return _logit_loss(zs, zt, beta=1.0, temperature=temperature, reduction=reduction, labels=labels,
-                       ignore_index=ignore_index)
-
-
-def jsd(zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0, reduction: str = "mean",
-        labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
-    """Generalized JSD(beta) per row (beta = 0: forward KL, 1: reverse KL); arguments as in forward_kl."""
-    return _logit_loss(zs, zt, beta=beta, temperature=temperature, reduction=reduction, labels=labels,
-                       ignore_index=ignore_index)
+forward_kl, reverse_kl, jsd = divergence_functions(_logits_loss, __name__, _ARGUMENTS)
 
 
 def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
@@ -107,7 +123,6 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
     flat_labels = labels.reshape(-1) if labels is not None else None
-    loss = topk_logit_distill(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
-                              flat_labels, ignore_index=ignore_index, temperature=temperature,
-                              renormalize=normalize == "topk")
+    loss, _ = ops.topk_logits_fwd(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
+                                  flat_labels, ignore_index, temperature, normalize == "topk")
     return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)

@@ -6,7 +6,7 @@ from torch import Tensor, nn
 
 from nitrobrew import _checks, fused_linear
 
-_LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": None}
+_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
 
 class DistillationLoss(nn.Module):
@@ -36,7 +36,7 @@ class DistillationLoss(nn.Module):
         if loss not in _LOSSES:
             raise ValueError(f"loss must be one of {', '.join(map(repr, _LOSSES))}, got {loss!r}")
         self.loss = loss
-        self.beta = _checks.unit_interval(beta, "beta") if _LOSSES[loss] is None else _LOSSES[loss]
+        self.beta = _checks.unit_interval(beta, "beta")
         # Fail at construction, not at the first training step.
         _checks.positive_number(temperature, "temperature")
         _checks.reduction(reduction)
@@ -51,8 +51,10 @@ class DistillationLoss(nn.Module):
         )
 
     def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None) -> Tensor:
-        return fused_linear.jsd(xs, xt, ws, wt, beta=self.beta, labels=labels, **self.options)
+        beta = {"beta": self.beta} if self.loss == "jsd" else {}
+        return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, **beta, **self.options)
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        return f"{self.loss!r}, beta={self.beta}, {options}"
+        beta = f"beta={self.beta}, " if self.loss == "jsd" else ""
+        return f"{self.loss!r}, {beta}{options}"

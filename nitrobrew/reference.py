@@ -40,7 +40,7 @@ def divergence_from_logits(s: Tensor, t: Tensor, beta: float) -> Tensor:
     return beta * kl_q_m + (1.0 - beta) * kl_p_m
 
 
-def fused_linear_distill(
+def fused_linear(
     xs: Tensor,
     xt: Tensor,
     ws: Tensor,
@@ -78,7 +78,7 @@ def fused_linear_distill(
     return loss.sum() / mask.sum().clamp(min=1)
 
 
-def logit_distill(
+def logits(
     zs: Tensor,
     zt: Tensor,
     *,
@@ -119,7 +119,7 @@ def logit_distill(
     return _reduce(loss, labels, ignore_index, reduction)
 
 
-def topk_kl(
+def topk_logits(
     zs: Tensor,
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
@@ -148,12 +148,12 @@ def topk_kl(
     return _reduce(loss, labels, ignore_index, reduction)
 
 
-def topk_kl_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
+def topk_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
                    dtype: torch.dtype | None = torch.float64, **options) -> Tensor:
-    """What nitrobrew.topk_kl computes: topk_kl of the materialized logits xs @ ws.T."""
+    """What nitrobrew.topk_kl computes: topk_logits of the materialized logits xs @ ws.T."""
     if dtype is not None:
         xs, ws = xs.to(dtype), ws.to(dtype)
-    return topk_kl(xs @ ws.T, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
+    return topk_logits(xs @ ws.T, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
 
 
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,

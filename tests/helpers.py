@@ -10,6 +10,11 @@ from nitrobrew import reference
 LOSSES = {0.0: nitrobrew.forward_kl, 1.0: nitrobrew.reverse_kl}
 
 
+def divergence_of(beta: float) -> str:
+    """The op's divergence argument for a test's beta: 0 forward KL, 1 reverse KL, else JSD(beta)."""
+    return {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
+
+
 def nitrobrew_loss(xs, xt, ws, wt, *, beta, **options):
     """The public function for a beta: forward_kl (0), reverse_kl (1), jsd (otherwise)."""
     if beta in LOSSES:
@@ -58,7 +63,7 @@ def reference_values_and_grads(xs, xt, ws, wt, upstream, *, dtype, **options):
     """Reference loss and (dxs, dws) by autograd, evaluated in `dtype`."""
     xs_ = xs.detach().to(dtype).requires_grad_()
     ws_ = ws.detach().to(dtype).requires_grad_()
-    loss = reference.fused_linear_distill(xs_, xt.to(dtype), ws_, wt.to(dtype), dtype=None, **options)
+    loss = reference.fused_linear(xs_, xt.to(dtype), ws_, wt.to(dtype), dtype=None, **options)
     dxs, dws = torch.autograd.grad(loss, (xs_, ws_), upstream.to(dtype))
     return loss.detach(), dxs, dws
 

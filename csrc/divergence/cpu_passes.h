@@ -1,0 +1,272 @@
+// The passes of the distillation losses over logit tiles on the CPU, shared by the fused-linear
+// ops (tiles from x . w^T) and the logit-level ops (tiles copied from the caller's logits): the
+// same algorithm as the CUDA kernels (per-row online state, merge of partial states, recompute
+// backward), fed by walk_logit_tiles (engine/cpu/tile_walk.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "../engine/cpu/tile_walk.h"
+#include "distill_params.h"
+
+namespace nitrobrew {
+namespace cpu {
+
+// The walk of p's logits (engine/cpu/tile_walk.h).
+inline TilePlan plan_tiles(const DistillParams& p) { return plan_tiles(p.num_rows, p.vocab_size, p.chunk_v); }
+
+template <typename acc_t, typename Source, typename Visitor>
+void walk_logit_tiles(Source& source, const DistillParams& p, const TilePlan& plan,
+                      const at::TensorOptions& acc_options, Visitor& visitor) {
+  walk_logit_tiles<acc_t>(source, WalkShape{p.num_rows, p.vocab_size, p.softcap_s, p.softcap_t}, plan, acc_options,
+                          visitor);
+}
+
+// Rows whose label is ignore_index take no part in the loss.
+inline std::vector<uint8_t> row_mask(const c10::optional<at::Tensor>& labels, const DistillParams& p) {
+  std::vector<uint8_t> valid(p.num_rows, 1);
+  if (!labels.has_value()) return valid;
+  const at::Tensor l = labels->contiguous();
+  const int64_t* label = l.data_ptr<int64_t>();
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    valid[n] = label[n] != p.ignore_index;
+    TORCH_CHECK(!valid[n] || p.ce_weight == 0.0 || (label[n] >= 0 && label[n] < p.vocab_size),
+                "labels must be in [0, vocab_size = ", p.vocab_size, ") or equal ignore_index (",
+                p.ignore_index, ") when ce_weight > 0; row ", n, " has label ", label[n]);
+  }
+  return valid;
+}
+
+// Pass 1: one-pass KL state per row (also gives the log-normalizers for JSD), plus the
+// cross-entropy add-on's log-normalizer and label logit.
+template <typename acc_t>
+struct OnlineKLPass {
+  const DistillParams& p;
+  const uint8_t* valid;
+  const int64_t* label;  // nullptr without labels
+  std::vector<KLState<acc_t>> kl;
+  std::vector<SoftmaxState<acc_t>> ce;
+  std::vector<acc_t> label_logit;
+
+  OnlineKLPass(const DistillParams& params, const uint8_t* valid_rows, const int64_t* labels)
+      : p(params), valid(valid_rows), label(labels), kl(params.num_rows), ce(params.num_rows),
+        label_logit(params.num_rows, acc_t(0)) {}
+
+  void begin_vocab_tile(int64_t, int64_t) {}
+  void end_row_chunk(const LogitTile&) {}
+  void end_vocab_tile(int64_t, int64_t) {}
+
+  void visit_row(int64_t n, int64_t v0, int64_t cols, const acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) return;
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    // Reverse KL is weighted by the student, forward KL (and JSD's first pass) by the teacher.
+    const bool weight_by_student = p.kind == Divergence::kReverseKL;
+    const acc_t* zw = weight_by_student ? zs : zt;
+    const acc_t* zo = weight_by_student ? zt : zs;
+    acc_t max_w = zw[0], max_o = zo[0];
+    for (int64_t v = 1; v < cols; ++v) {
+      max_w = std::max(max_w, zw[v]);
+      max_o = std::max(max_o, zo[v]);
+    }
+    // Entries of -inf (masked vocabulary, logit-level ops) have probability 0 and add nothing:
+    // a tile whose entries are all -inf on one side leaves that side's state empty, and no term
+    // ever forms -inf - -inf (0 log 0 = 0).
+    KLState<acc_t> part;
+    part.w.m = scale_logit(max_w, inv_t);
+    part.o.m = scale_logit(max_o, inv_t);
+    const auto sums = lane_sums<acc_t, 3>(cols, [&](int64_t v) {
+      const acc_t w = scale_logit(zw[v], inv_t), o = scale_logit(zo[v], inv_t);
+      const acc_t e = w == kNegInf<acc_t> ? acc_t(0) : exp_(w - part.w.m);
+      return std::array<acc_t, 3>{e, e == acc_t(0) ? acc_t(0) : e * (w - o),
+                                  o == kNegInf<acc_t> ? acc_t(0) : exp_(o - part.o.m)};
+    });
+    part.w.l = sums[0];
+    part.a = sums[1];
+    part.o.l = sums[2];
+    if (part.w.m == kNegInf<acc_t>) {
+      merge(kl[n].o, part.o);  // merge(KLState) would skip the whole part
+    } else {
+      merge(kl[n], part);
+    }
+
+    if (p.ce_weight != 0.0) {
+      const acc_t max_s = weight_by_student ? max_w : max_o;
+      SoftmaxState<acc_t> ce_part;
+      ce_part.m = max_s;
+      ce_part.l = lane_sums<acc_t, 1>(cols, [&](int64_t v) { return std::array<acc_t, 1>{exp_(zs[v] - max_s)}; })[0];
+      merge(ce[n], ce_part);
+      const int64_t y = label[n];
+      if (y >= v0 && y < v0 + cols) label_logit[n] = zs[y - v0];
+    }
+  }
+};
+
+// Pass 2 of JSD: with the log-normalizers known, sums KL(q||M) and KL(p||M) per row, in float64
+// whatever the tiles' type: its terms q (log q - log M) are differences of nearly equal numbers
+// when p ~ q, and in float32 a JSD of ~1e-8 per row came out off by up to 50% (float32 PyTorch:
+// up to 800%); float64 from the same float32 row statistics is exact to ~1e-13.
+template <typename acc_t>
+struct MixturePass {
+  using mix_t = double;
+  const DistillParams& p;
+  const uint8_t* valid;
+  const acc_t* stats;  // [N, kNumRowStats]
+  DivergenceParams<mix_t> div;
+  std::vector<mix_t> kl_q_m, kl_p_m;
+
+  MixturePass(const DistillParams& params, const uint8_t* valid_rows, const acc_t* row_stats)
+      : p(params), valid(valid_rows), stats(row_stats),
+        div(divergence_params<mix_t>(params)), kl_q_m(params.num_rows, mix_t(0)),
+        kl_p_m(params.num_rows, mix_t(0)) {}
+
+  void begin_vocab_tile(int64_t, int64_t) {}
+  void end_row_chunk(const LogitTile&) {}
+  void end_vocab_tile(int64_t, int64_t) {}
+
+  void visit_row(int64_t n, int64_t, int64_t cols, const acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) return;
+    // The scaled logits rounded as in the other passes (then widened): the backward's gradient
+    // centre must come from the same s and t.
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    const acc_t* row = stats + n * kNumRowStats;
+    const LogNormalizer<mix_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
+    const auto sums = lane_sums<mix_t, 2>(cols, [&](int64_t v) {
+      const mix_t log_p = log_prob(static_cast<mix_t>(scale_logit(zs[v], inv_t)), norm_s);
+      const mix_t log_q = log_prob(static_cast<mix_t>(scale_logit(zt[v], inv_t)), norm_t);
+      const mix_t log_m = log_mixture(div, log_p, log_q);
+      // An entry of -inf on one side adds nothing to that side's sum (0 log 0 = 0); log_m is
+      // finite unless both sides are -inf, and then neither term is formed.
+      return std::array<mix_t, 2>{log_q == kNegInf<mix_t> ? mix_t(0) : exp_(log_q) * (log_q - log_m),
+                                  log_p == kNegInf<mix_t> ? mix_t(0) : exp_(log_p) * (log_p - log_m)};
+    });
+    kl_q_m[n] += sums[0];
+    kl_p_m[n] += sums[1];
+  }
+};
+
+// The forward of every op: pass 1 (and JSD's pass 2) over the tiles `source` fills; returns
+// (loss [N], row_stats [N, kNumRowStats]) in acc_t.
+template <typename acc_t, typename Source>
+std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::optional<at::Tensor>& labels,
+                                                   const DistillParams& p, const at::TensorOptions& acc_options) {
+  const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
+  const std::vector<uint8_t> valid = row_mask(labels, p);
+  const TilePlan plan = plan_tiles(p);
+
+  OnlineKLPass<acc_t> kl_pass(p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr);
+  walk_logit_tiles<acc_t>(source, p, plan, acc_options, kl_pass);
+
+  at::Tensor loss = at::zeros({p.num_rows}, acc_options);
+  at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, acc_options);
+  acc_t* loss_ = loss.data_ptr<acc_t>();
+  acc_t* stats_ = row_stats.data_ptr<acc_t>();
+
+  const bool weight_by_student = p.kind == Divergence::kReverseKL;
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    if (!valid[n]) continue;
+    TORCH_CHECK(kl_pass.kl[n].w.m != kNegInf<acc_t> &&
+                    kl_pass.kl[n].o.m != kNegInf<acc_t>,
+                "row ", n, " has no finite logit in the student's or the teacher's distribution");
+    loss_[n] = store_kl_row(finish_kl_row(kl_pass.kl[n], weight_by_student), stats_ + n * kNumRowStats);
+  }
+  if (p.kind == Divergence::kJSD) {
+    MixturePass<acc_t> mix(p, valid.data(), stats_);
+    walk_logit_tiles<acc_t>(source, p, plan, acc_options, mix);
+    for (int64_t n = 0; n < p.num_rows; ++n) {
+      if (!valid[n]) continue;
+      loss_[n] = static_cast<acc_t>(mix.div.beta * mix.kl_q_m[n] + mix.div.one_minus_beta * mix.kl_p_m[n]);
+      stats_[n * kNumRowStats + kGradCenter] = static_cast<acc_t>(mix.kl_p_m[n]);
+    }
+  }
+  if (p.ce_weight != 0.0) {
+    const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
+    for (int64_t n = 0; n < p.num_rows; ++n) {
+      if (!valid[n]) continue;
+      const LogNormalizer<acc_t> norm_ce = log_normalizer(kl_pass.ce[n]);
+      stats_[n * kNumRowStats + kMaxCE] = norm_ce.max;
+      stats_[n * kNumRowStats + kLogSumCE] = norm_ce.log_sum;
+      loss_[n] -= ce_weight * log_prob(kl_pass.label_logit[n], norm_ce);
+    }
+  }
+  return {loss, row_stats};
+}
+
+// Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place, and either
+// accumulates dxs += G . ws_tile and dws_tile = G^T . xs with the BLAS (fused-linear ops) or
+// writes G out as dzs (logit-level ops).
+template <typename acc_t>
+struct GradientPass {
+  const DistillParams& p;
+  const uint8_t* valid;
+  const int64_t* label;
+  const acc_t* grad;   // [N] upstream gradient per row
+  const acc_t* stats;  // [N, kNumRowStats]
+  DivergenceParams<acc_t> div;
+  at::Tensor dxs_acc;       // [N, D_s] or undefined
+  at::Tensor dws;           // [V_rows, D_s] in the input dtype, or undefined
+  at::Tensor dws_tile_acc;  // [vocab_tile, D_s]
+  at::Tensor dzs;           // [N, V] (logit-level ops), or undefined
+
+  void begin_vocab_tile(int64_t, int64_t cols) {
+    if (dws.defined()) dws_tile_acc.narrow(0, 0, cols).zero_();
+  }
+
+  void visit_row(int64_t n, int64_t v0, int64_t cols, acc_t* zs, const acc_t* zt) {
+    if (!valid[n]) {
+      std::fill(zs, zs + cols, acc_t(0));
+      return;
+    }
+    const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
+    const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
+    const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
+    const int64_t y = label != nullptr ? label[n] - v0 : -1;
+    const acc_t* row = stats + n * kNumRowStats;
+    const LogNormalizer<acc_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
+    const LogNormalizer<acc_t> norm_ce{row[kMaxCE], row[kLogSumCE]};
+    // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never the
+    // 0 * inf that the reverse-KL and JSD formulas would form.
+    const bool zero_at_masked = div.kind != Divergence::kForwardKL;
+    for (int64_t v = 0; v < cols; ++v) {
+      const acc_t z = zs[v];
+      const acc_t s = scale_logit(z, inv_t), t = scale_logit(zt[v], inv_t);
+      if (zero_at_masked && s == kNegInf<acc_t>) {
+        zs[v] = acc_t(0);
+        continue;
+      }
+      acc_t dz = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), row[kGradCenter]) * inv_t;
+      if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(log_prob(z, norm_ce)) - acc_t(v == y ? 1 : 0));
+      zs[v] = grad[n] * dz * softcap_grad_from_capped(z, cap_s);
+    }
+  }
+
+  void end_row_chunk(const LogitTile& tile) {
+    const at::Tensor& g = tile.zs;  // [rows, cols], now holds G
+    if (dzs.defined()) dzs.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols).copy_(g);
+    if (dxs_acc.defined()) dxs_acc.narrow(0, tile.r0, tile.rows).addmm_(g, tile.ws_tile);
+    if (dws.defined()) dws_tile_acc.narrow(0, 0, tile.cols).addmm_(g.t(), tile.xs_rows);
+  }
+
+  void end_vocab_tile(int64_t v0, int64_t cols) {
+    if (dws.defined()) dws.narrow(0, v0, cols).copy_(dws_tile_acc.narrow(0, 0, cols));
+  }
+};
+
+// The backward's per-row inputs as the forward returned them.
+inline void check_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats,
+                                  const DistillParams& p) {
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows,
+              "grad_loss must be [N] = [", p.num_rows, "], got ", grad_loss.sizes());
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
+              "row_stats must be [N, ", int(kNumRowStats), "] = [", p.num_rows, ", ", int(kNumRowStats),
+              "] as the forward returns it, got ", row_stats.sizes());
+  TORCH_CHECK(grad_loss.device().is_cpu() && row_stats.device().is_cpu(),
+              "grad_loss and row_stats must be CPU tensors here");
+}
+
+}  // namespace cpu
+}  // namespace nitrobrew

@@ -1,0 +1,51 @@
+#include "distill_params.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace nitrobrew {
+
+Divergence parse_divergence(c10::string_view name, double beta) {
+  if (name == "forward_kl") return Divergence::kForwardKL;
+  if (name == "reverse_kl") return Divergence::kReverseKL;
+  TORCH_CHECK(name == "jsd", "divergence must be 'forward_kl', 'reverse_kl' or 'jsd', got '", name, "'");
+  TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "beta must be in [0, 1], got ", beta);
+  return beta == 0.0 ? Divergence::kForwardKL : beta == 1.0 ? Divergence::kReverseKL : Divergence::kJSD;
+}
+
+DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
+                                 c10::string_view divergence, double beta, double temperature) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
+              "temperature must be a positive number, got ", temperature);
+  DistillParams p;
+  p.kind = parse_divergence(divergence, beta);
+  p.beta = p.kind == Divergence::kForwardKL ? 0.0 : p.kind == Divergence::kReverseKL ? 1.0 : beta;
+  p.inv_temperature = 1.0 / temperature;
+  p.ce_weight = 0.0;
+  p.softcap_s = p.softcap_t = 0.0;
+  p.ignore_index = ignore_index;
+  p.hidden_s = p.hidden_t = 0;
+  p.chunk_v = 0;
+  p.has_labels = labels.has_value();
+  return p;
+}
+
+void check_floating_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be a 2-D tensor, got ", t.dim(), " dimensions");
+  TORCH_CHECK(
+      t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ||
+          t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+      name, " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
+}
+
+void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name) {
+  if (!labels.has_value()) return;
+  TORCH_CHECK(labels->scalar_type() == at::kLong, "labels must be int64, got ", labels->scalar_type());
+  TORCH_CHECK(labels->dim() == 1 && labels->size(0) == rows_of.size(0), "labels must hold one entry per row of ",
+              name, " (", rows_of.size(0), "), got ", labels->sizes());
+  TORCH_CHECK(labels->device() == rows_of.device(), "labels must be on ", rows_of.device(), ", got ",
+              labels->device());
+}
+
+}  // namespace nitrobrew

@@ -1,0 +1,60 @@
+// Options of the student-vs-teacher divergence ops over [N x V] logits, whether the logits are
+// products of hidden states and unembeddings (fused_linear) or given (logits): validated once by
+// each family's params.cpp and handed to the kernels as a plain struct.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+#include <cmath>
+
+#include "online_state.h"
+#include "row_stats.h"
+
+namespace nitrobrew {
+
+struct DistillParams {
+  Divergence kind;
+  double beta;             // JSD mixture weight; 0 for forward KL, 1 for reverse KL
+  double inv_temperature;  // 1 / tau, applied after the softcap
+  double ce_weight;        // weight of the hard-label cross-entropy add-on (0 = off)
+  double softcap_s;        // 0 = no soft-capping
+  double softcap_t;
+  int64_t ignore_index;
+  int64_t num_rows;    // N
+  int64_t hidden_s;    // D_s (0 for given logits)
+  int64_t hidden_t;    // D_t
+  int64_t vocab_size;  // V: real vocabulary rows of ws and wt; padded rows past it are ignored
+  int64_t chunk_v;     // vocabulary tile width requested by the caller (0 = automatic)
+  bool has_labels;
+};
+
+// The divergence named by an op's `divergence` argument: "forward_kl", "reverse_kl" or "jsd".
+// JSD's beta must be in [0, 1]; JSD(0) is forward KL and JSD(1) reverse KL (the mixture formula is
+// discontinuous there), so they run as those. beta is not read for the two KLs.
+Divergence parse_divergence(c10::string_view name, double beta);
+
+// The options every divergence op shares (divergence, beta, temperature, labels); the family's
+// params.cpp fills in the shapes and its extras.
+DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
+                                 c10::string_view divergence, double beta, double temperature);
+
+// A 2-D float32, float64, bfloat16 or float16 tensor named `name`.
+void check_floating_matrix(const at::Tensor& t, const char* name);
+
+// labels, if given: int64, one per row of `rows_of` (named `name` in the error), on its device.
+void check_labels(const c10::optional<at::Tensor>& labels, const at::Tensor& rows_of, const char* name);
+
+template <typename T>
+DivergenceParams<T> divergence_params(const DistillParams& p) {
+  DivergenceParams<T> d;
+  d.kind = p.kind;
+  d.beta = static_cast<T>(p.beta);
+  d.one_minus_beta = static_cast<T>(1.0 - p.beta);
+  d.log_1m_beta = p.kind == Divergence::kJSD ? static_cast<T>(std::log1p(-p.beta)) : T(0);
+  d.log_beta = p.kind == Divergence::kJSD ? static_cast<T>(std::log(p.beta)) : T(0);
+  return d;
+}
+
+}  // namespace nitrobrew

@@ -1,0 +1,147 @@
+// Per-row math of the fused distillation losses, shared by the CPU and CUDA kernels.
+//
+// A row's logits arrive one vocabulary tile at a time. Each tile is reduced to a
+// partial state while it is on chip (in cache on the CPU) and merged into the running
+// state; the merge is associative, so tiles, vocab splits and vocab shards combine the
+// same way. docs/design.md section 3 has the derivation.
+#pragma once
+
+#include <cmath>
+
+#include "../engine/numerics.h"
+
+namespace nitrobrew {
+
+// Which divergence a kernel computes. JSD(beta) with beta = 0 / 1 is mapped to
+// kForwardKL / kReverseKL by the caller: the mixture formula is discontinuous there.
+enum class Divergence : int { kForwardKL = 0, kReverseKL = 1, kJSD = 2 };
+
+// Running log-sum-exp of one distribution: lse = m + log(l).
+template <typename T>
+struct SoftmaxState {
+  T m = kNegInf<T>;
+  T l = T(0);
+};
+
+// One-pass KL state. `w` is the distribution the KL is weighted by (the teacher for
+// forward KL, the student for reverse KL), `o` the other one, and
+// a = sum_v exp(w_v - m_w) * (w_v - o_v). Then KL(w || o) = a / l_w - lse_w + lse_o.
+template <typename T>
+struct KLState {
+  SoftmaxState<T> w, o;
+  T a = T(0);
+};
+
+// Factor that rescales a sum kept relative to max `m` to a new max `m_new`.
+// An empty state (m = -inf) contributes nothing; m_new is finite whenever this is called.
+template <typename T>
+NB_HOST_DEVICE T rescale(T m, T m_new) {
+  return m == kNegInf<T> ? T(0) : exp_(m - m_new);
+}
+
+template <typename T>
+NB_HOST_DEVICE void merge(SoftmaxState<T>& into, const SoftmaxState<T>& part) {
+  if (part.m == kNegInf<T>) return;  // empty part: never form -inf - -inf
+  const T m_new = into.m > part.m ? into.m : part.m;
+  into.l = into.l * rescale(into.m, m_new) + part.l * rescale(part.m, m_new);
+  into.m = m_new;
+}
+
+template <typename T>
+NB_HOST_DEVICE void merge(KLState<T>& into, const KLState<T>& part) {
+  if (part.w.m == kNegInf<T>) return;
+  const T m_new = into.w.m > part.w.m ? into.w.m : part.w.m;
+  const T scale_into = rescale(into.w.m, m_new);
+  const T scale_part = rescale(part.w.m, m_new);
+  into.a = into.a * scale_into + part.a * scale_part;
+  into.w.l = into.w.l * scale_into + part.w.l * scale_part;
+  into.w.m = m_new;
+  merge(into.o, part.o);
+}
+
+// A distribution's log-normalizer kept as (max, log of the sum relative to it) rather than
+// their sum: log p_v = (x_v - max) - log_sum then loses nothing to rounding the lse, which
+// matters once logits reach ~1e2 (an fp32 lse of 100 has an ulp of 8e-6).
+template <typename T>
+struct LogNormalizer {
+  T max;
+  T log_sum;
+};
+
+template <typename T>
+NB_HOST_DEVICE LogNormalizer<T> log_normalizer(const SoftmaxState<T>& s) {
+  return {s.m, log_(s.l)};
+}
+
+template <typename T>
+NB_HOST_DEVICE T log_prob(T x, const LogNormalizer<T>& norm) {
+  return (x - norm.max) - norm.log_sum;
+}
+
+// KL(w || o) = a / l_w - lse_w + lse_o, with the large terms of the two lse cancelled first.
+template <typename T>
+NB_HOST_DEVICE T kl_divergence(const KLState<T>& s) {
+  return s.a / s.w.l - (s.w.m - s.o.m) - (log_(s.w.l) - log_(s.o.l));
+}
+
+// Row statistics of the forward pass (the columns of RowStat in fused_linear_params.h are
+// written by the callers from these): the KL per row and both log-normalizers, from the
+// merged one-pass state. `weight_by_student` is true for reverse KL.
+template <typename T>
+struct KLRowResult {
+  LogNormalizer<T> norm_s, norm_t;
+  T kl;           // KL(w || o)
+  T grad_center;  // E_w[w - o], the reverse-KL gradient's centre
+};
+
+template <typename T>
+NB_HOST_DEVICE KLRowResult<T> finish_kl_row(const KLState<T>& st, bool weight_by_student) {
+  KLRowResult<T> r;
+  r.norm_s = log_normalizer(weight_by_student ? st.w : st.o);
+  r.norm_t = log_normalizer(weight_by_student ? st.o : st.w);
+  r.kl = kl_divergence(st);
+  r.grad_center = st.a / st.w.l;
+  return r;
+}
+
+// Per-row constants of the divergence, derived once from the loss options.
+template <typename T>
+struct DivergenceParams {
+  Divergence kind;
+  T beta;           // JSD mixture weight M = (1 - beta) p + beta q
+  T one_minus_beta; // 1 - beta, formed in double: beta near 1 would lose it in float
+  T log_1m_beta;    // log(1 - beta), JSD only
+  T log_beta;       // log(beta), JSD only
+};
+
+// log M for M = (1 - beta) p + beta q. The JSD's forward and backward of one kernel family must
+// pass the same `exp`: the backward's centre is the forward's sum of the same log p - log M terms.
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q, Exp exp = Exp{}) {
+  return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q, exp);
+}
+
+// dLoss/ds_v for one vocabulary entry (docs/design.md section 5), where s, t are the student's
+// and teacher's temperature-scaled logits and log_p, log_q their log-probabilities.
+// `center` is the per-row value the forward saved:
+//   reverse KL: E_p[s - t]. p (log p - log q - KL) = p ((s - t) - E_p[s - t]): the two
+//               log-normalizers cancel exactly, which keeps the gradient accurate when
+//               logits are ~1e4 and KL is a difference of two such numbers.
+//   JSD:        KL(p || M), summed in the forward from the same log p - log M terms.
+//   forward KL: unused.
+// `exp` evaluates the probabilities and the mixture (log_mixture).
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p, T log_q, T center,
+                                 Exp exp = Exp{}) {
+  const T p = exp(log_p);
+  switch (d.kind) {
+    case Divergence::kForwardKL:
+      return p - exp(log_q);
+    case Divergence::kReverseKL:
+      return p * ((s - t) - center);
+    default:
+      return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q, exp) - center);
+  }
+}
+
+}  // namespace nitrobrew

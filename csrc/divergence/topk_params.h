@@ -1,0 +1,42 @@
+// Options of the top-K teacher ops (top-K from logits: logits/, from hidden states: topk_linear/):
+// forward KL over the K tokens a teacher kept, against a student whose log-probabilities come from
+// its logits. Validated once, handed to the kernels as a struct.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace nitrobrew {
+
+// Columns of the top-K forward's per-row statistics (float64), as (max, log of the sum relative to it): the
+// student's log-normalizer of temperature-scaled logits (over the vocabulary, or over the K ids when
+// renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none).
+enum TopKRowStat : int { kTopKMax = 0, kTopKLogSum, kTopKTeacherMax, kTopKTeacherLogSum, kNumTopKRowStats };
+
+// The top-K ops (from logits and from hidden states) save [N, kNumTopKRowStats + K] statistics: these
+// columns, then the K student logits z_{id_k} (before the temperature) that the forward gathered.
+constexpr int kTopKLogitsColumn = kNumTopKRowStats;
+
+struct TopKParams {
+  bool renormalize;  // normalize="topk": both distributions renormalized over the K ids
+  double inv_temperature;
+  int64_t ignore_index;
+  int64_t num_rows, vocab_size, k;
+  int64_t hidden;   // D of xs and ws (ops from hidden states; 0 for the ops from logits)
+  int64_t chunk_v;  // vocabulary chunk width requested by the caller (0 = automatic; ops from hidden states)
+};
+
+// The teacher's ids [N, K] and log-probabilities, the temperature and the labels, against `rows_of`
+// ([N, ...], named `name`) and a vocabulary of `vocab` entries. The range check reads the ids on the
+// host: fine for the CPU ops; the CUDA ops check on the device instead (check_ids_on_host = false),
+// without synchronizing. The caller fills in `hidden` and `chunk_v`.
+TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int64_t vocab,
+                               const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs,
+                               const c10::optional<at::Tensor>& labels, int64_t ignore_index, double temperature,
+                               bool renormalize, bool check_ids_on_host);
+
+// grad_loss [N] and the forward's row statistics [N, columns] of a top-K backward, on `device`.
+void check_topk_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats, int64_t columns,
+                                const TopKParams& p, const at::Device& device);
+
+}  // namespace nitrobrew

@@ -1,0 +1,129 @@
+// Pieces of the memory-bound row kernels (one block per row: logits/cuda.cu,
+// logits/topk_cuda.cu): conversions, strided rows, block reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../numerics.h"
+
+namespace nitrobrew {
+namespace cuda {
+
+constexpr int kRowThreads = 256;
+
+// exp for the row math: the special-function unit's for 16-bit inputs (as the fused-linear
+// passes), the accurate one for float32 and float64.
+template <typename T, typename acc_t>
+struct RowExp {
+  __device__ __forceinline__ acc_t operator()(acc_t x) const {
+    if constexpr (sizeof(T) == 2) {
+      return __expf(x);
+    } else {
+      return exp(x);
+    }
+  }
+};
+
+// Conversions between the logits' storage type and the row math's type (16-bit types have no
+// implicit conversions in torch's CUDA builds).
+template <typename acc_t, typename T>
+__device__ __forceinline__ acc_t to_acc(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(x);
+  } else {
+    return static_cast<acc_t>(x);
+  }
+}
+
+template <typename T, typename acc_t>
+__device__ __forceinline__ T from_acc(acc_t x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16(x);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __float2half(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// Element v of row n of a [N, V] matrix at any strides.
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t ld, stride;  // row and column strides in elements
+  __device__ __forceinline__ const T* row(int64_t n) const { return base + n * ld; }
+};
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t shfl(acc_t v, int lane) {
+  return __shfl_xor_sync(0xffffffffu, v, lane);
+}
+
+// Block-wide sums of two values; valid in thread 0. Every thread must call it; callable again
+// after it returns.
+template <typename acc_t>
+__device__ __forceinline__ void block_sum2(acc_t& x, acc_t& y) {
+  __shared__ acc_t scratch[kRowThreads / 32][2];
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) {
+    x += shfl(x, mask);
+    y += shfl(y, mask);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    scratch[warp][0] = x;
+    scratch[warp][1] = y;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kRowThreads / 32; ++w) {
+      x += scratch[w][0];
+      y += scratch[w][1];
+    }
+  }
+  __syncthreads();  // scratch is free again
+}
+
+// Calls f.chunk<kN>(s, v0) with the scaled logits s[k] = z[v0 + k] * inv_t (rounded in scale_t,
+// as scale_logit does, then widened to acc_t) of the thread's chunks of one row of `vocab` entries:
+// every blockDim-th chunk of kN entries (one 16-byte load) when `vectorized` (unit stride, 16-byte
+// aligned row), in order, then single entries for the rest.
+// Two loads are in flight per thread: the top-K kernels, whose float64 registers allow 4-5 blocks
+// per SM, kept too few bytes in flight with one (ncu: 79% DRAM throughput at 48% occupancy).
+template <int kN, typename T, typename acc_t, typename scale_t, typename F>
+__device__ __forceinline__ void for_each_row_chunk(const T* z, int64_t stride, int64_t vocab, bool vectorized,
+                                                   scale_t inv_t, F&& f) {
+  int64_t v = 0;
+  if (vectorized) {
+    const uint4* chunk = reinterpret_cast<const uint4*>(z);
+    const auto call = [&](const uint4& raw, int64_t c) {
+      const T* pz = reinterpret_cast<const T*>(&raw);
+      acc_t s[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) s[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(pz[k]), inv_t));
+      f.template chunk<kN>(s, c * kN);
+    };
+    const int64_t chunks = vocab / kN, step = blockDim.x;
+    int64_t c = threadIdx.x;
+    for (; c + step < chunks; c += 2 * step) {
+      const uint4 first = chunk[c], second = chunk[c + step];
+      call(first, c);
+      call(second, c + step);
+    }
+    if (c < chunks) call(chunk[c], c);
+    v = chunks * kN;
+  }
+  for (int64_t i = v + threadIdx.x; i < vocab; i += blockDim.x) {
+    acc_t s[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(z[i * stride]), inv_t))};
+    f.template chunk<1>(s, i);
+  }
+}
+
+}  // namespace cuda
+}  // namespace nitrobrew

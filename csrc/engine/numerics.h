@@ -1,0 +1,79 @@
+// Numerics shared by every kernel, CPU and CUDA, that know nothing of any loss: the host/device
+// qualifier, -infinity, exponentials, the logit transforms (temperature, soft-cap) and a stable
+// log(exp(a) + exp(b)).
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#if defined(__CUDACC__)
+#define NB_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NB_HOST_DEVICE inline
+#endif
+
+namespace nitrobrew {
+
+// -infinity of a floating type: a masked logit, an empty softmax state's maximum.
+template <typename T>
+constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+template <typename T>
+NB_HOST_DEVICE T exp_(T x) {
+  using std::exp;
+  return exp(x);
+}
+
+template <typename T>
+NB_HOST_DEVICE T log_(T x) {
+  using std::log;
+  return log(x);
+}
+
+// s = z / tau, rounded once and identically wherever it is formed. With FMA contraction (on
+// by default in nvcc) an expression like z * inv_t - m would skip the rounding of s, so the
+// largest entry's log-probability would pick up s's rounding error (~1e-5 once tau = 0.1).
+template <typename T>
+NB_HOST_DEVICE T scale_logit(T z, T inv_t) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) return __fmul_rn(z, inv_t);
+#endif
+  return z * inv_t;
+}
+
+// Gemma-style soft-capping c * tanh(z / c); cap <= 0 means none.
+template <typename T>
+NB_HOST_DEVICE T softcap(T z, T cap) {
+  using std::tanh;
+  return cap > T(0) ? cap * tanh(z / cap) : z;
+}
+
+// d softcap(z) / dz written in terms of the capped value y = c * tanh(z / c).
+template <typename T>
+NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
+  if (cap <= T(0)) return T(1);
+  const T r = y / cap;
+  return T(1) - r * r;
+}
+
+// The exponential of the row math; the CUDA kernels pass a faster one for 16-bit inputs (the
+// special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
+struct StdExp {
+  template <typename T>
+  NB_HOST_DEVICE T operator()(T x) const {
+    return exp_(x);
+  }
+};
+
+// log(exp(a) + exp(b)) for finite a, b. exp(lo - hi) is in (0, 1]: a relative error e of it moves
+// the result by at most e / 2, so a fast exponential costs no more than its own rounding.
+// (lo - hi is -|a - b| exactly: one max and an absolute value instead of two selections.)
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE T log_add_exp(T a, T b, Exp exp = Exp{}) {
+  using std::fabs;
+  using std::fmax;
+  using std::log1p;
+  return fmax(a, b) + log1p(exp(-fabs(a - b)));
+}
+
+}  // namespace nitrobrew

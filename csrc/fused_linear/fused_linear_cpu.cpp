@@ -1,0 +1,109 @@
+// CPU implementation of the fused-linear distillation ops: the same tiled algorithm as
+// the CUDA kernels (vocabulary tiles, per-row online state in float32, merge of
+// partial states, recompute backward), with the tile GEMMs done by ATen's BLAS.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "../divergence/cpu_passes.h"
+#include "fused_linear_params.h"
+
+namespace nitrobrew {
+namespace cpu {
+namespace {
+
+template <typename scalar_t>
+std::tuple<at::Tensor, at::Tensor> fused_linear_forward(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, const DistillParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
+  ProductTiles source{xs_acc, xt_acc, ws, wt};
+  return distill_forward<acc_t>(source, labels, p, xs_acc.options());
+}
+
+template <typename scalar_t>
+std::tuple<at::Tensor, at::Tensor> fused_linear_backward(
+    const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats,
+    const DistillParams& p, bool compute_dxs, bool compute_dws) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
+  const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
+  const std::vector<uint8_t> valid = row_mask(labels, p);
+  const TilePlan plan = plan_tiles(p);
+  const at::Tensor grad_c = grad_loss.to(acc_dtype).contiguous();
+  const at::Tensor stats_c = row_stats.to(acc_dtype).contiguous();
+
+  GradientPass<acc_t> pass{p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr,
+                           grad_c.data_ptr<acc_t>(), stats_c.data_ptr<acc_t>(), divergence_params<acc_t>(p)};
+  if (compute_dxs) pass.dxs_acc = at::zeros({p.num_rows, p.hidden_s}, xs_acc.options());
+  if (compute_dws) {
+    pass.dws = at::zeros_like(ws, at::MemoryFormat::Contiguous);  // padded rows past vocab_size stay 0
+    pass.dws_tile_acc = at::empty({plan.vocab_tile, p.hidden_s}, xs_acc.options());
+  }
+  ProductTiles source{xs_acc, xt_acc, ws, wt};
+  walk_logit_tiles<acc_t>(source, p, plan, xs_acc.options(), pass);
+
+  at::Tensor dxs = compute_dxs ? pass.dxs_acc.to(xs.scalar_type()) : at::empty({0}, xs.options());
+  at::Tensor dws = compute_dws ? pass.dws : at::empty({0}, ws.options());
+  return {dxs, dws};
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cpu(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, int64_t ignore_index, c10::string_view divergence, double beta, double temperature,
+    double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
+    int64_t vocab_size, int64_t chunk_v) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, divergence, beta,
+                                                       temperature, ce_weight, softcap_s, softcap_t,
+                                                       vocab_size, chunk_v);
+  check_cpu(xs, "xs");
+  std::tuple<at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_fwd_cpu", [&] {
+    out = fused_linear_forward<scalar_t>(xs, xt, ws, wt, labels, p);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_linear_bwd_cpu(
+    const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats, int64_t ignore_index,
+    c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
+    c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v, bool compute_dxs,
+    bool compute_dws) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, divergence, beta,
+                                                       temperature, ce_weight, softcap_s, softcap_t,
+                                                       vocab_size, chunk_v);
+  check_cpu(xs, "xs");
+  check_backward_inputs(grad_loss, row_stats, p);
+  std::tuple<at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_bwd_cpu", [&] {
+    out = fused_linear_backward<scalar_t>(grad_loss, xs, xt, ws, wt, labels, row_stats, p,
+                                  compute_dxs, compute_dws);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nitrobrew, CPU, m) {
+  m.impl("fused_linear_fwd", &fused_linear_fwd_cpu);
+  m.impl("fused_linear_bwd", &fused_linear_bwd_cpu);
+}
+
+}  // namespace cpu
+}  // namespace nitrobrew

@@ -1,0 +1,396 @@
+// CUDA kernels of the logit-level losses (nitrobrew.logits: forward KL, reverse KL, JSD from
+// logits the caller holds). Memory-bound: one block per row streams the row's logits once per
+// pass, in 16-byte loads where the rows allow it, and keeps the same per-row state as the
+// fused-linear kernels (online_state.h):
+//   forward:  KL pass (one-pass KL state -> loss and the row statistics), then for JSD the
+//             mixture pass (sums of q (log q - log M) and p (log p - log M));
+//   backward: dLoss/dzs from the saved statistics, written in the logits' dtype.
+// Entries of -inf (masked vocabulary) contribute 0, as on the CPU; a row with no finite logit on
+// one side gets NaN loss and gradients here (the CPU op raises: a check here would need a host
+// synchronization).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+#include "../divergence/row_stats.h"
+#include "logits_params.h"
+#include "../engine/cuda/cuda_types.h"
+#include "../engine/cuda/row_kernels.cuh"
+
+namespace nitrobrew {
+namespace cuda {
+namespace {
+
+// Calls f(s[k], t[k]) on chunks of the row, kN entries (one 16-byte load of each) or 1 entry at a
+// time: each thread takes every blockDim.x-th chunk. The logits are scaled (and rounded) in
+// scale_t, then converted to acc_t. f gets the chunk's entries and their first column.
+template <int kN, typename T, typename acc_t, typename scale_t, typename F>
+__device__ __forceinline__ void for_each_chunk(const T* zs, const T* zt, int64_t stride_s, int64_t stride_t,
+                                               int64_t vocab, bool vectorized, scale_t inv_t, F&& f) {
+  int64_t v = 0;
+  if (vectorized) {
+    const int64_t chunks = vocab / kN;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 raw_s = reinterpret_cast<const uint4*>(zs)[c];
+      const uint4 raw_t = reinterpret_cast<const uint4*>(zt)[c];
+      const T* ps = reinterpret_cast<const T*>(&raw_s);
+      const T* pt = reinterpret_cast<const T*>(&raw_t);
+      acc_t s[kN], t[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        s[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(ps[k]), inv_t));
+        t[k] = static_cast<acc_t>(scale_logit(to_acc<scale_t>(pt[k]), inv_t));
+      }
+      f.template chunk<kN>(s, t, c * kN);
+    }
+    v = chunks * kN;
+  }
+  for (int64_t i = v + threadIdx.x; i < vocab; i += blockDim.x) {
+    acc_t s[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zs[i * stride_s]), inv_t))};
+    acc_t t[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zt[i * stride_t]), inv_t))};
+    f.template chunk<1>(s, t, i);
+  }
+}
+
+// Merges b into a where b's weighting side may be empty (all its entries -inf): its other side
+// still counts (merge(KLState) skips an empty-weighted part whole).
+template <typename acc_t>
+__device__ __forceinline__ void merge_parts(KLState<acc_t>& a, const KLState<acc_t>& b) {
+  if (b.w.m == kNegInf<acc_t>) {
+    merge(a.o, b.o);
+  } else {
+    merge(a, b);
+  }
+}
+
+// The KL pass's per-thread state: the one-pass KL state of the entries it saw, rescaled only
+// when a chunk raises a running maximum. The direction is a template argument: choosing between
+// the s and t arrays at run time made the compiler keep both in local memory.
+template <typename T, typename acc_t, bool kWeightByStudent>
+struct KLAccumulator {
+  KLState<acc_t> st;
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const acc_t (&s)[kN], const acc_t (&t)[kN], int64_t) {
+    const RowExp<T, acc_t> ex;
+    const acc_t(&w)[kN] = kWeightByStudent ? s : t;
+    const acc_t(&o)[kN] = kWeightByStudent ? t : s;
+    acc_t max_w = kNegInf<acc_t>, max_o = kNegInf<acc_t>;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      max_w = max(max_w, w[k]);
+      max_o = max(max_o, o[k]);
+    }
+    if (max_w > st.w.m) {
+      const acc_t r = rescale(st.w.m, max_w);  // 0 from an empty state
+      st.w.l *= r;
+      st.a *= r;
+      st.w.m = max_w;
+    }
+    if (max_o > st.o.m) {
+      st.o.l *= rescale(st.o.m, max_o);
+      st.o.m = max_o;
+    }
+    // -inf entries have probability 0 and add nothing (0 log 0 = 0): with a finite running
+    // maximum their exponential is exp(-inf) = 0, so they need no test of their own; while the
+    // maximum is still -inf every entry so far was -inf and the chunk adds nothing.
+    if (st.w.m != kNegInf<acc_t>) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const acc_t ew = ex(w[k] - st.w.m);
+        st.w.l += ew;
+        st.a += ew == acc_t(0) ? acc_t(0) : ew * (w[k] - o[k]);
+      }
+    }
+    if (st.o.m != kNegInf<acc_t>) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) st.o.l += ex(o[k] - st.o.m);
+    }
+  }
+};
+
+// Block-wide merge of every thread's state; the result is valid in thread 0.
+template <typename acc_t>
+__device__ KLState<acc_t> block_merge(KLState<acc_t> st) {
+  __shared__ acc_t scratch[kRowThreads / 32][5];
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) {
+    KLState<acc_t> other;
+    other.w.m = shfl(st.w.m, mask);
+    other.w.l = shfl(st.w.l, mask);
+    other.o.m = shfl(st.o.m, mask);
+    other.o.l = shfl(st.o.l, mask);
+    other.a = shfl(st.a, mask);
+    merge_parts(st, other);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    scratch[warp][0] = st.w.m;
+    scratch[warp][1] = st.w.l;
+    scratch[warp][2] = st.o.m;
+    scratch[warp][3] = st.o.l;
+    scratch[warp][4] = st.a;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kRowThreads / 32; ++w) {
+      KLState<acc_t> other;
+      other.w.m = scratch[w][0];
+      other.w.l = scratch[w][1];
+      other.o.m = scratch[w][2];
+      other.o.l = scratch[w][3];
+      other.a = scratch[w][4];
+      merge_parts(st, other);
+    }
+  }
+  return st;
+}
+
+template <typename acc_t>
+struct RowArgs {
+  int64_t rows, vocab;
+  const int64_t* labels;  // nullptr without labels
+  int64_t ignore_index;
+  acc_t inv_t;
+  bool vectorized;
+  DivergenceParams<acc_t> div;
+  DivergenceParams<double> div64;  // for the mixture pass of float32 inputs (MixtureType)
+  acc_t* loss;   // [N]
+  acc_t* stats;  // [N, kNumRowStats]
+  __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
+};
+
+template <typename T, typename acc_t, bool kWeightByStudent>
+__global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
+  const int64_t n = blockIdx.x;
+  acc_t* stats = a.stats + n * kNumRowStats;
+  if (!a.valid(n)) {  // masked rows: loss 0, statistics 0 (the backward writes zeros for them)
+    if (threadIdx.x < kNumRowStats) stats[threadIdx.x] = acc_t(0);
+    if (threadIdx.x == 0) a.loss[n] = acc_t(0);
+    return;
+  }
+  KLAccumulator<T, acc_t, kWeightByStudent> acc{};
+  for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, acc);
+  const KLState<acc_t> st = block_merge(acc.st);
+  if (threadIdx.x != 0) return;
+  if (st.w.m == kNegInf<acc_t> || st.o.m == kNegInf<acc_t>) {  // no finite logit on one side
+    const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+    for (int k = 0; k < kNumRowStats; ++k) stats[k] = nan;
+    a.loss[n] = nan;
+    return;
+  }
+  a.loss[n] = store_kl_row(finish_kl_row(st, kWeightByStudent), stats);
+  stats[kMaxCE] = acc_t(0);
+  stats[kLogSumCE] = acc_t(0);
+}
+
+// JSD's second pass: KL(q || M) and KL(p || M) per row, with the log-normalizers of pass 1.
+template <typename T, typename acc_t>
+struct MixtureSums {
+  static constexpr acc_t kLowest = std::numeric_limits<acc_t>::lowest();
+  DivergenceParams<acc_t> div;
+  LogNormalizer<acc_t> norm_s, norm_t;
+  acc_t kl_q_m = 0, kl_p_m = 0;
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const acc_t (&s)[kN], const acc_t (&t)[kN], int64_t) {
+    const RowExp<T, acc_t> ex;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const acc_t log_p = log_prob(s[k], norm_s), log_q = log_prob(t[k], norm_t);
+      const acc_t log_m = log_mixture(div, log_p, log_q, ex);
+      // 0 log 0 = 0 without a test: a -inf log-probability has the weight exp(-inf) = 0, and its
+      // difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite value,
+      // which 0 times leaves 0 (fmax returns the number when the other operand is NaN).
+      kl_q_m += ex(log_q) * fmax(log_q - log_m, kLowest);
+      kl_p_m += ex(log_p) * fmax(log_p - log_m, kLowest);
+    }
+  }
+};
+
+// The mixture pass's arithmetic type: float64 for float32 inputs. Its per-entry terms
+// q (log q - log M) are differences of nearly equal numbers when p ~ q, and in float32 the CUDA
+// kernel's sums came out biased: JSD ~8e-9 per row came out as ~1e-9, where float64 arithmetic
+// from the same (float32) row statistics is exact to 1e-13 (docs/notes/logits.md). 16-bit inputs
+// keep float32: their gradients are rounded far more coarsely than that.
+template <typename T, typename acc_t>
+using MixtureType = std::conditional_t<std::is_same_v<T, float>, double, acc_t>;
+
+template <typename T, typename acc_t>
+__global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
+  using mix_t = MixtureType<T, acc_t>;
+  const int64_t n = blockIdx.x;
+  if (!a.valid(n)) return;
+  acc_t* stats = a.stats + n * kNumRowStats;
+  DivergenceParams<mix_t> div;
+  if constexpr (std::is_same_v<mix_t, acc_t>) {
+    div = a.div;
+  } else {
+    div = a.div64;
+  }
+  MixtureSums<T, mix_t> sums{div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]}};
+  for_each_chunk<16 / sizeof(T), T, mix_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized,
+                                           a.inv_t, sums);  // logits scaled (rounded) as in the other passes
+  block_sum2(sums.kl_q_m, sums.kl_p_m);
+  if (threadIdx.x != 0) return;
+  a.loss[n] = static_cast<acc_t>(div.beta * sums.kl_q_m + div.one_minus_beta * sums.kl_p_m);
+  stats[kGradCenter] = static_cast<acc_t>(sums.kl_p_m);
+}
+
+// dLoss/dzs of a chunk, stored in the logits' dtype.
+template <typename T, typename acc_t>
+struct GradWriter {
+  DivergenceParams<acc_t> div;
+  LogNormalizer<acc_t> norm_s, norm_t;
+  acc_t center, scale;  // scale = g_n / temperature
+  T* out;               // the row of dzs (contiguous)
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const acc_t (&s)[kN], const acc_t (&t)[kN], int64_t v0) {
+    alignas(16) T g[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never
+      // the 0 * inf that the reverse-KL and JSD formulas would form.
+      const bool zero = div.kind != Divergence::kForwardKL && s[k] == kNegInf<acc_t>;
+      const acc_t d = zero ? acc_t(0)
+                           : divergence_grad(div, s[k], t[k], log_prob(s[k], norm_s), log_prob(t[k], norm_t), center,
+                                             RowExp<T, acc_t>{});
+      g[k] = from_acc<T>(d * scale);
+    }
+    if constexpr (kN * sizeof(T) == 16) {
+      *reinterpret_cast<uint4*>(out + v0) = *reinterpret_cast<const uint4*>(g);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) out[v0 + k] = g[k];
+    }
+  }
+};
+
+template <typename T, typename acc_t>
+__global__ void __launch_bounds__(kRowThreads)
+    grad_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a, const acc_t* grad_loss, T* dzs) {
+  const int64_t n = blockIdx.x;
+  T* out = dzs + n * a.vocab;
+  if (!a.valid(n)) {
+    for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(acc_t(0));
+    return;
+  }
+  const acc_t* stats = a.stats + n * kNumRowStats;
+  GradWriter<T, acc_t> w{a.div,           {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]},
+                         stats[kGradCenter], grad_loss[n] * a.inv_t, out};
+  for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, w);
+}
+
+// Whether every row of t starts 16 bytes aligned with unit column stride.
+bool rows_vectorizable(const at::Tensor& t) {
+  return t.stride(1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+template <typename T>
+Rows<T> rows_of(const at::Tensor& t) {
+  return {reinterpret_cast<const T*>(t.data_ptr()), t.stride(0), t.stride(1)};
+}
+
+template <typename acc_t>
+RowArgs<acc_t> row_args(const at::Tensor& zs, const at::Tensor& zt, const c10::optional<at::Tensor>& labels,
+                        const DistillParams& p, acc_t* loss, acc_t* stats) {
+  RowArgs<acc_t> a;
+  a.rows = p.num_rows;
+  a.vocab = p.vocab_size;
+  a.labels = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;
+  a.ignore_index = p.ignore_index;
+  a.inv_t = static_cast<acc_t>(p.inv_temperature);
+  a.vectorized = rows_vectorizable(zs) && rows_vectorizable(zt);
+  a.div = divergence_params<acc_t>(p);
+  a.div64 = divergence_params<double>(p);
+  a.loss = loss;
+  a.stats = stats;
+  return a;
+}
+
+void check_cuda_inputs(const at::Tensor& zs, const at::Tensor&) {
+  TORCH_CHECK(zs.is_cuda(), "zs must be a CUDA tensor here, got ", zs.device());
+  TORCH_CHECK(zs.size(0) < (int64_t(1) << 31), "nitrobrew: at most 2^31 - 1 rows per call on CUDA");
+}
+
+std::tuple<at::Tensor, at::Tensor> logits_fwd_cuda(const at::Tensor& zs_in, const at::Tensor& zt_in,
+                                                         const c10::optional<at::Tensor>& labels_in,
+                                                         int64_t ignore_index, c10::string_view divergence, double beta, double temperature) {
+  const DistillParams p = make_logits_params(zs_in, zt_in, labels_in, ignore_index, divergence, beta, temperature);
+  const c10::cuda::CUDAGuard guard(zs_in.device());
+  const at::Tensor &zs = zs_in, &zt = zt_in;
+  check_cuda_inputs(zs, zt);
+  const c10::optional<at::Tensor> labels =
+      labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
+  std::tuple<at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "logits_fwd_cuda", [&] {
+    using T = cuda_type_t<scalar_t>;
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto acc_options = zs.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    at::Tensor loss = at::empty({p.num_rows}, acc_options);
+    at::Tensor stats = at::empty({p.num_rows, kNumRowStats}, acc_options);
+    if (p.num_rows > 0) {
+      const RowArgs<acc_t> a = row_args<acc_t>(zs, zt, labels, p, loss.data_ptr<acc_t>(), stats.data_ptr<acc_t>());
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      const unsigned grid = static_cast<unsigned>(p.num_rows);
+      const auto kl_pass = p.kind == Divergence::kReverseKL ? kl_pass_kernel<T, acc_t, true> : kl_pass_kernel<T, acc_t, false>;
+      kl_pass<<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (p.kind == Divergence::kJSD) {
+        mixture_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    out = {loss, stats};
+  });
+  return out;
+}
+
+at::Tensor logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs_in, const at::Tensor& zt_in,
+                                  const c10::optional<at::Tensor>& labels_in, const at::Tensor& row_stats,
+                                  int64_t ignore_index, c10::string_view divergence, double beta, double temperature) {
+  const DistillParams p = make_logits_params(zs_in, zt_in, labels_in, ignore_index, divergence, beta, temperature);
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows, "grad_loss must be [N] = [", p.num_rows,
+              "], got ", grad_loss.sizes());
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
+              "row_stats must be [N, ", int(kNumRowStats), "] as the forward returns it, got ", row_stats.sizes());
+  TORCH_CHECK(grad_loss.device() == zs_in.device() && row_stats.device() == zs_in.device(),
+              "grad_loss and row_stats must be on ", zs_in.device());
+  const c10::cuda::CUDAGuard guard(zs_in.device());
+  const at::Tensor &zs = zs_in, &zt = zt_in;
+  check_cuda_inputs(zs, zt);
+  const c10::optional<at::Tensor> labels =
+      labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
+  at::Tensor dzs = at::empty({p.num_rows, p.vocab_size}, zs.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "logits_bwd_cuda", [&] {
+    using T = cuda_type_t<scalar_t>;
+    using acc_t = at::opmath_type<scalar_t>;
+    if (p.num_rows == 0) return;
+    const at::Tensor stats = row_stats.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    const at::Tensor g = grad_loss.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+    RowArgs<acc_t> a = row_args<acc_t>(zs, zt, labels, p, nullptr, const_cast<acc_t*>(stats.data_ptr<acc_t>()));
+    a.vectorized = a.vectorized && rows_vectorizable(dzs);
+    grad_kernel<T, acc_t><<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        rows_of<T>(zs), rows_of<T>(zt), a, g.data_ptr<acc_t>(), reinterpret_cast<T*>(dzs.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return dzs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nitrobrew, CUDA, m) {
+  m.impl("logits_fwd", &logits_fwd_cuda);
+  m.impl("logits_bwd", &logits_bwd_cuda);
+}
+
+}  // namespace cuda
+}  // namespace nitrobrew

@@ -1,0 +1,29 @@
+#include "topk_linear_params.h"
+
+#include <c10/util/Exception.h>
+
+#include "../divergence/distill_params.h"
+
+namespace nitrobrew {
+
+TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& teacher_ids,
+                                   const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
+                                   int64_t ignore_index, double temperature, bool renormalize, int64_t chunk_v,
+                                   bool check_ids_on_host) {
+  TORCH_CHECK(xs.dim() == 2 && ws.dim() == 2 && ws.size(1) == xs.size(1),
+              "xs must be [N, D] and ws [V, D], got ", xs.sizes(), " and ", ws.sizes());
+  check_floating_matrix(xs, "xs");
+  TORCH_CHECK(ws.scalar_type() == xs.scalar_type(), "xs and ws must share one dtype, got ", xs.scalar_type(),
+              " and ", ws.scalar_type());
+  TORCH_CHECK(ws.device() == xs.device(), "xs and ws must be on one device, got ", xs.device(), " and ",
+              ws.device());
+  TORCH_CHECK(ws.size(0) >= 1, "ws must have at least one row");
+  TORCH_CHECK(chunk_v >= 0, "chunk_v must be positive (or 0 for automatic), got ", chunk_v);
+  TopKParams p = topk_teacher_params(xs, "xs", ws.size(0), teacher_ids, teacher_logprobs, labels, ignore_index,
+                                     temperature, renormalize, check_ids_on_host);
+  p.hidden = xs.size(1);
+  p.chunk_v = chunk_v;
+  return p;
+}
+
+}  // namespace nitrobrew

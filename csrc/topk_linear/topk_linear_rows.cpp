@@ -1,0 +1,121 @@
+#include "topk_linear_rows.h"
+
+#include <ATen/ATen.h>
+
+#include "../engine/numerics.h"
+
+namespace nitrobrew {
+
+namespace {
+
+// Each row's terms summed over the entries that share an id, at the id's first occurrence, and
+// the ids with their repeated occurrences replaced by -1. (A stable sort of each row's ids makes a
+// run of equal ids one segment, led by its first occurrence.)
+std::tuple<at::Tensor, at::Tensor> sum_over_repeated_ids(const at::Tensor& c, const at::Tensor& ids) {
+  if (ids.size(1) == 1) return {c, ids};
+  const auto [sorted, order] = at::sort(ids, /*stable=*/c10::optional<bool>(true), /*dim=*/1, /*descending=*/false);
+  const int64_t k = sorted.size(1);
+  at::Tensor starts = at::ones_like(sorted, sorted.options().dtype(at::kBool));
+  starts.narrow(1, 1, k - 1).copy_(sorted.narrow(1, 1, k - 1) != sorted.narrow(1, 0, k - 1));
+  const at::Tensor segment = starts.cumsum(1) - 1;  // the run each sorted entry belongs to
+  const at::Tensor totals = at::zeros_like(c).scatter_add_(1, segment, c.gather(1, order));
+  const at::Tensor first = at::empty_like(starts).scatter_(1, order, starts);
+  const at::Tensor summed = at::empty_like(c).scatter_(1, order, totals.gather(1, segment));
+  return {at::where(first, summed, at::zeros({}, c.options())), at::where(first, ids, at::full({}, -1, ids.options()))};
+}
+
+// s = z / tau rounded to acc_dtype (the kernels' scale_logit), in float64.
+at::Tensor scaled_logits(const at::Tensor& z, double inv_temperature, at::ScalarType acc_dtype) {
+  return (z.to(acc_dtype) * inv_temperature).to(at::kDouble);
+}
+
+struct TeacherMass {
+  at::Tensor max, log_sum;  // [N, 1]: log sum_k q_k = max + log_sum (max -inf: no mass)
+  at::Tensor has_mass;      // [N, 1] bool
+};
+
+TeacherMass teacher_mass(const at::Tensor& lp) {
+  TeacherMass t;
+  t.max = lp.amax(1, /*keepdim=*/true);
+  t.has_mass = t.max != kNegInf<double>;
+  const at::Tensor shift = at::where(t.has_mass, t.max, at::zeros_like(t.max));
+  t.log_sum = (lp - shift).exp().sum(1, /*keepdim=*/true).log();
+  return t;
+}
+
+}  // namespace
+
+at::Tensor topk_valid_rows(const c10::optional<at::Tensor>& labels, const TopKParams& p, const at::Tensor& like) {
+  if (!labels.has_value()) return at::ones({p.num_rows}, like.options().dtype(at::kBool));
+  return *labels != p.ignore_index;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const at::Tensor& student_norm,
+                                                      const at::Tensor& teacher_logprobs, const at::Tensor& valid,
+                                                      const TopKParams& p, at::ScalarType acc_dtype) {
+  const at::Tensor z64 = z.to(at::kDouble);
+  const at::Tensor s = scaled_logits(z, p.inv_temperature, acc_dtype);
+  at::Tensor s_max, s_log_sum;
+  if (p.renormalize) {
+    s_max = s.amax(1, /*keepdim=*/true);
+    s_log_sum = (s - s_max).exp().sum(1, /*keepdim=*/true).log();
+  } else {
+    const at::Tensor norm = student_norm.to(at::kDouble);
+    s_max = norm.narrow(1, 0, 1);
+    s_log_sum = norm.narrow(1, 1, 1);
+  }
+  const at::Tensor lp = teacher_logprobs.to(at::kDouble);
+  const TeacherMass t = teacher_mass(lp);
+  const at::Tensor kept = lp != kNegInf<double>;  // q_k = 0 adds nothing (0 log 0 = 0)
+  // log q: as given, or renormalized over the K ids relative to the max (no rounded log-normalizer).
+  const at::Tensor log_q = p.renormalize ? (lp - t.max) - t.log_sum : lp;
+  const at::Tensor log_p = (s - s_max) - s_log_sum;
+  const at::Tensor terms = at::where(kept, log_q.exp() * (log_q - log_p), at::zeros_like(log_p));
+  const at::Tensor active = valid.unsqueeze(1) & t.has_mass;
+  const at::Tensor loss = at::where(active, terms.sum(1, /*keepdim=*/true), at::zeros_like(s_max)).squeeze(1);
+  const at::Tensor stats = at::cat({s_max, s_log_sum, t.max, t.log_sum, z64}, 1);
+  return {loss, at::where(valid.unsqueeze(1), stats, at::zeros_like(stats))};
+}
+
+TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& teacher_ids,
+                              const at::Tensor& teacher_logprobs, const at::Tensor& valid, const TopKParams& p,
+                              at::ScalarType acc_dtype) {
+  const at::Tensor stats = row_stats.to(at::kDouble);
+  const at::Tensor s_max = stats.narrow(1, kTopKMax, 1), s_log_sum = stats.narrow(1, kTopKLogSum, 1);
+  const at::Tensor t_max = stats.narrow(1, kTopKTeacherMax, 1), t_log_sum = stats.narrow(1, kTopKTeacherLogSum, 1);
+  const at::Tensor s = scaled_logits(stats.narrow(1, kTopKLogitsColumn, p.k), p.inv_temperature, acc_dtype);
+  const at::Tensor prob = ((s - s_max) - s_log_sum).exp();  // p_{id_k} (p~_k when renormalized)
+  const at::Tensor lp = teacher_logprobs.to(at::kDouble);
+  const at::Tensor active = valid.unsqueeze(1) & (t_max != kNegInf<double>);
+  const at::Tensor zero = at::zeros({}, stats.options());
+  at::Tensor dense, c;  // per row: the dense coefficient; per entry: the sparse term
+  if (p.renormalize) {
+    dense = at::zeros_like(s_max);
+    c = prob - ((lp - t_max) - t_log_sum).exp();  // p~_k - q~_k
+  } else {
+    dense = (t_max + t_log_sum).exp();  // sum_k q_k
+    c = -lp.exp();
+  }
+  dense = at::where(active, dense, zero);
+  c = at::where(active, c, zero);
+  const auto [sparse, write_ids] = sum_over_repeated_ids(c, teacher_ids);
+  TopKGradTerms terms;
+  terms.dense = dense.squeeze(1);
+  terms.write_ids = write_ids;
+  terms.id_sparse = sparse * p.inv_temperature;
+  terms.id_dense = at::where(active, dense * prob, zero) * p.inv_temperature;
+  terms.grad_rows = at::where(active, at::cat({s_max, s_log_sum, dense}, 1), zero).to(at::kFloat).contiguous();
+  return terms;
+}
+
+TopKSparseGrad topk_sparse_grad(const TopKGradTerms& terms, const at::Tensor& grad_loss, at::ScalarType coef_dtype) {
+  TopKSparseGrad sparse;
+  sparse.coef = (terms.id_sparse * grad_loss.to(at::kDouble).unsqueeze(1)).to(coef_dtype).contiguous();
+  auto [sorted, order] =
+      at::sort(terms.write_ids.reshape(-1), /*stable=*/c10::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+  sparse.sorted_ids = sorted.contiguous();
+  sparse.order = order.contiguous();
+  return sparse;
+}
+
+}  // namespace nitrobrew

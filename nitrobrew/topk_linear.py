@@ -1,0 +1,84 @@
+"""Distillation against a teacher's top-K log-probabilities, from the student's hidden states.
+
+The teacher is what was stored offline: for each token, the ids of its K most likely tokens and their
+log-probabilities over its full vocabulary. The student's logits s = xs[n] @ ws.T / temperature are
+never written to memory: for normalize="full" a tiled online pass gives the log-normalizer over the
+vocabulary and picks the K logits out of its tiles, and the backward recomputes the tiles; for "topk"
+the K logits come from K gathered rows of ws. nitrobrew.logits.topk_kl
+computes the same loss from logits the caller holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew import _checks
+from nitrobrew._extension import kernel_device_types
+from nitrobrew._reduction import reduce_rows
+from nitrobrew._registration import ops, register_recompute_op, row_outputs
+
+__all__ = ["topk_kl"]
+
+# Columns of the top-K ops' per-row statistics before the K student logits (TopKRowStat in
+# csrc/divergence/topk_params.h).
+NUM_TOPK_ROW_STATS = 4
+
+
+def _fake_forward(xs, ws, teacher_ids, teacher_logprobs, labels, *options):
+    torch._check(xs.dim() == 2 and ws.dim() == 2 and teacher_ids.dim() == 2,
+                 lambda: "xs must be [N, D], ws [V, D] and teacher_ids [N, K]")
+    return row_outputs(xs, xs.shape[0], NUM_TOPK_ROW_STATS + teacher_ids.shape[1], dtype=torch.float64)
+
+
+# topk_linear_fwd(xs, ws, teacher_ids, teacher_logprobs, labels, *options); gradients to xs and ws.
+register_recompute_op("topk_linear", n_tensors=5, differentiable=(0, 1), fake_forward=_fake_forward,
+                      needs_flags=True)
+
+_KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
+
+
+def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
+            temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
+            ignore_index: int = -100, chunk_V: int | None = None) -> Tensor:
+    """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
+
+    Args:
+        xs: [..., D] student hidden states. ws: [V, D] student unembedding.
+        teacher_ids: [..., K] int64 ids in [0, V), any order. teacher_logprobs: [..., K] float, the teacher's
+            log-probabilities (over its full vocabulary) of those tokens; -inf entries contribute 0.
+        normalize: "full": the student's log-probabilities are normalized over the whole vocabulary and
+            q_k = exp(teacher_logprobs_k) is used as given (its sum may be < 1); "topk": both are
+            renormalized over the K ids.
+        temperature: divides the student's logits only.
+        reduction, labels, ignore_index: as in nitrobrew.forward_kl.
+        chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
+
+    The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
+    gradients flow to xs and ws. On CUDA, ids outside [0, V) stop the kernel with a device-side assertion
+    (as torch.gather's do); the CPU raises.
+    """
+    for name, value in (("xs", xs), ("ws", ws)):
+        _checks.tensor(value, name)
+        _checks.floating(value, name)
+    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0:
+        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1, got {tuple(xs.shape)} and {tuple(ws.shape)}")
+    lead_shape = xs.shape[:-1]
+    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, ws.shape[0], of="xs")
+    _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
+    xs, ws = _checks.autocast_inputs(xs, ws)
+    if ws.dtype != xs.dtype:
+        raise TypeError(f"xs and ws must share one dtype, got {xs.dtype} and {ws.dtype} (or call under "
+                        f"torch.autocast, which casts both to its dtype)")
+    _checks.kernel_device(xs.device, _KERNEL_DEVICE_TYPES)
+    temperature = _checks.positive_number(temperature, "temperature")
+    reduction = _checks.reduction(reduction)
+    labels = _checks.labels(labels, lead_shape, xs.device)
+    ignore_index = _checks.ignore_index(ignore_index)
+    chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
+    k = teacher_ids.shape[-1]
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    loss, _ = ops.topk_linear_fwd(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
+                                  teacher_logprobs.reshape(-1, k), flat_labels, ignore_index, temperature,
+                                  normalize == "topk", chunk_V or 0)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)

@@ -1,0 +1,148 @@
+"""The operator layer: opcheck, fp64 gradcheck, torch.compile, the module, and that no
+[N x V] buffer is ever allocated."""
+
+import pytest
+import torch
+
+import nitrobrew
+from conftest import CUDA
+from helpers import divergence_of, make_problem, nitrobrew_loss
+
+OPTIONS = [  # (beta, ce_weight, softcaps, vocab_size)
+    (0.0, 0.0, None, None),
+    (0.5, 0.0, None, None),
+    (1.0, 0.5, (3.0, 4.0), 11),
+    (0.3, 0.5, (3.0, None), 12),
+]
+
+
+def _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size, chunk_v=4):
+    cap_s, cap_t = softcaps or (None, None)
+    return (xs, xt, ws, wt, labels, -100, divergence_of(beta), beta, 1.3, ce_weight, cap_s, cap_t,
+            vocab_size or ws.shape[0], chunk_v)
+
+
+@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size", OPTIONS)
+def test_opcheck_forward(device, beta, ce_weight, softcaps, vocab_size):
+    xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True, rows_s=13, rows_t=12)
+    labels = labels.clamp(max=10) if ce_weight else None
+    xs.requires_grad_()
+    ws.requires_grad_()
+    torch.library.opcheck(
+        torch.ops.nitrobrew.fused_linear_fwd.default,
+        _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size or 12),
+    )
+
+
+@pytest.mark.parametrize("compute", [(True, True), (True, False), (False, True)])
+def test_opcheck_backward(device, compute):
+    xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True)
+    args = _op_args(xs, xt, ws, wt, labels, 0.3, 0.5, (3.0, 4.0), None)
+    _, row_stats = torch.ops.nitrobrew.fused_linear_fwd(*args)
+    grad = torch.randn(7, device=device)
+    bwd_args = (grad, xs, xt, ws, wt, labels, row_stats) + args[5:] + compute
+    torch.library.opcheck(torch.ops.nitrobrew.fused_linear_bwd.default, bwd_args)
+
+
+@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size", OPTIONS)
+def test_gradcheck_float64(beta, ce_weight, softcaps, vocab_size):
+    xs, xt, ws, wt, labels = make_problem(n=5, v=13, d_s=3, d_t=4, dtype=torch.float64, masked=True, seed=3)
+    labels = labels.clamp(max=10)
+    cap_s, cap_t = softcaps or (None, None)
+
+    def loss(xs, ws):
+        return nitrobrew_loss(xs, xt, ws, wt, beta=beta, temperature=0.7, labels=labels, ce_weight=ce_weight,
+                              softcap_s=cap_s, softcap_t=cap_t, vocab_size=vocab_size, chunk_V=4, reduction="none")
+
+    torch.autograd.gradcheck(loss, (xs.requires_grad_(), ws.requires_grad_()))
+
+
+def test_torch_compile_dynamic_with_default_options(device):
+    # Default float options (temperature=1.0, ...) once reached the argument checks as symbolic
+    # floats under dynamic=True, and math.isfinite broke the graph.
+    xs, xt, ws, wt, labels = make_problem(n=33, v=300, device=device, masked=True)
+
+    def step(xs, ws):
+        return nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(xs, ws), step(xs, ws))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_torch_compile_fullgraph_with_backward(device, beta, dynamic):
+    xs, xt, ws, wt, labels = make_problem(n=33, v=300, device=device, masked=True)
+
+    def step(xs, xt, ws, wt, labels):
+        loss = nitrobrew_loss(xs, xt, ws, wt, beta=beta, labels=labels, temperature=2.0, ce_weight=0.1)
+        return loss * 2.0
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    results = []
+    for fn in (step, compiled):
+        a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss = fn(a, xt, b, wt, labels)
+        loss.backward()
+        results.append((loss.detach(), a.grad, b.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager)
+
+
+@pytest.mark.parametrize("loss_name,beta", [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.25)])
+def test_module(device, loss_name, beta):
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    module = nitrobrew.DistillationLoss(loss_name, beta=beta, temperature=2.0, ce_weight=0.1)
+    expected = nitrobrew_loss(xs, xt, ws, wt, beta=beta, temperature=2.0, ce_weight=0.1, labels=labels)
+    torch.testing.assert_close(module(xs, xt, ws, wt, labels), expected)
+    assert loss_name in repr(module)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        nitrobrew.DistillationLoss("kl")
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        nitrobrew.DistillationLoss("jsd", temperature=0.0)
+    with pytest.raises(ValueError, match="beta must be a number in"):
+        nitrobrew.DistillationLoss("jsd", beta=2.0)
+
+
+def test_no_buffer_of_tokens_times_vocab_is_allocated():
+    # With 512 tokens and a 20000-entry vocabulary the logits would take 39 MiB per model in
+    # float32; the CPU kernel's working set is bounded by its tiles (here 512 x 256).
+    n, v = 512, 20000
+    xs, xt, ws, wt, labels = make_problem(n=n, v=v, d_s=16, d_t=8, masked=True)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, ce_weight=0.5, chunk_V=256)
+        loss.backward()
+    allocations = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocations, "the profiler recorded no allocation: the test would be vacuous"
+    largest = max(allocations)
+    assert largest < n * v * 4 / 8, f"an allocation of {largest} bytes is O(N x V)"
+    assert largest >= ws.numel() * 4, "dws itself ([V, D_s]) should be among the allocations seen"
+
+
+@CUDA
+def test_cuda_graph_capture_of_forward_and_backward():
+    # No host synchronization inside the ops: a whole step can be captured and replayed.
+    xs, xt, ws, wt, labels = make_problem(device="cuda", dtype=torch.bfloat16, masked=True)
+    xs.requires_grad_()
+    ws.requires_grad_()
+
+    def step():
+        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, beta=0.5, ce_weight=0.1)
+        return (loss,) + torch.autograd.grad(loss, (xs, ws))
+
+    side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(captured, eager):
+        torch.testing.assert_close(a, b)

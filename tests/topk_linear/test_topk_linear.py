@@ -1,0 +1,283 @@
+"""nitrobrew.topk_kl (distillation against a teacher's top-K log-probabilities from the student's hidden
+states) against the float64 reference: values and gradients for both normalizations and every option,
+errors, opcheck and torch.compile, on the CPU and (where there is one) a CUDA device; the oracles run on
+the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nitrobrew
+from helpers import assert_close_to_oracle
+from nitrobrew import reference
+
+NORMALIZE = ["full", "topk"]
+
+
+def make_problem(lead=(37,), v=1000, d=24, k=32, *, scale=3.0, dtype=torch.float32, seed=0, masked_rows=False):
+    """Student hidden states and unembedding (logits of std ~ scale), and the top-K ids (any order) and
+    log-probabilities of a teacher correlated with the student."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(*lead, d, generator=g, dtype=torch.float64)
+    ws = torch.randn(v, d, generator=g, dtype=torch.float64) * scale / d**0.5
+    zt = xs @ ws.T + torch.randn(*lead, v, generator=g, dtype=torch.float64) * scale * 0.5
+    logprobs, ids = torch.log_softmax(zt, -1).topk(k, dim=-1)
+    order = torch.argsort(torch.rand(*lead, k, generator=g), dim=-1)
+    logprobs, ids = logprobs.gather(-1, order), ids.gather(-1, order)
+    labels = torch.randint(0, v, lead, generator=g)
+    if masked_rows:
+        labels = torch.where(torch.rand(lead, generator=g) < 0.3, torch.full_like(labels, -100), labels)
+    return xs.to(dtype), ws.to(dtype), ids, logprobs.float(), labels
+
+
+def to_device(t, device):
+    """t on `device` with the same strides (a plain .to() would make it contiguous)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+
+
+def values_and_grads(fn, xs, ws, ids, lps, upstream, **options):
+    xs_, ws_ = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+    loss = fn(xs_, ws_, ids, lps, **options)
+    dxs, dws = torch.autograd.grad(loss, (xs_, ws_), upstream.to(loss.dtype).to(loss.device))
+    return loss.detach().cpu(), dxs.cpu(), dws.cpu()
+
+
+def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, device="cpu", chunk_V=None, **options):
+    """nitrobrew on `device` vs the float64 oracle, within k x the error of the reference in the
+    precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors."""
+    reduction = options.get("reduction", "mean")
+    shape = xs.shape[:-1] if reduction == "none" else ()
+    upstream = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    same = torch.float64 if xs.dtype == torch.float64 else torch.float32
+    if device == "cuda" and xs.dtype in (torch.bfloat16, torch.float16):
+        k = max(k, 4.0)  # the CUDA backward rounds dLoss/dz to the inputs' dtype for its GEMMs (helpers.py)
+
+    def ref(a, w, i, lp, **kw):
+        return reference.topk_linear(a, w, i, lp, dtype=None, **kw)
+
+    on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
+    ours = values_and_grads(nitrobrew.topk_kl, to_device(xs, device), to_device(ws, device), ids.to(device),
+                            lps.to(device), upstream, chunk_V=chunk_V, **on_device)
+    oracle = values_and_grads(ref, xs.double(), ws.double(), ids, lps.double(), upstream, **options)
+    same_precision = values_and_grads(ref, xs.to(same), ws.to(same), ids, lps.to(same), upstream, **options)
+    assert ours[0].dtype == same and ours[1].dtype == xs.dtype and ours[2].dtype == ws.dtype
+    what = f"normalize={options.get('normalize', 'full')}"
+    for name, a, o, s in zip(("loss", "dxs", "dws"), ours, oracle, same_precision):
+        assert_close_to_oracle(a, o, s, k=k, rel_floor=rel_floor, what=f"{name} {what}")
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("k", [1, 7, 128])
+def test_values_and_gradients(normalize, reduction, k, device):
+    xs, ws, ids, lps, labels = make_problem(k=k, masked_rows=True)
+    check(xs, ws, ids, lps, normalize=normalize, reduction=reduction, labels=labels, device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("chunk_V", [1, 300, 999])
+def test_vocabulary_chunks(normalize, chunk_V, device):
+    # Several chunks, the last one partial (the CUDA backward rounds its chunks up to 768 entries).
+    xs, ws, ids, lps, labels = make_problem(lead=(19,), v=1700, k=16, masked_rows=True)
+    check(xs, ws, ids, lps, normalize=normalize, reduction="none", labels=labels, chunk_V=chunk_V, device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 20, 328])
+def test_dtypes_and_hidden_sizes(normalize, dtype, d, device):
+    # d = 64 and 328 take the sm_90a kernels on Hopper (328: 11 K slabs of 32, more than its ring
+    # holds); d = 20 rows are not 16-byte multiples (mma.sync, scalar loads).
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 inputs have CPU kernels only (test_float64_is_an_error_on_cuda)")
+    xs, ws, ids, lps, _ = make_problem(lead=(3, 45), v=1100, d=d, k=16, dtype=dtype)
+    floor = torch.finfo(dtype).eps if dtype != torch.float64 else 1e-6  # one output rounding step
+    check(xs, ws, ids, lps, normalize=normalize, reduction="none", rel_floor=floor, device=device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sm_90a kernels' tiling; CPU covered above")
+def test_cuda_several_tiles_per_block():
+    # 2 row blocks x ~79 vocabulary tiles: each sm_90a block walks 2 tiles, folding the first while the
+    # second's product runs, one of 33 pieces per K slab of 32 (11 here: the rest after the product);
+    # the last tile is partial. (With K = 1100 the loss is off by ~9x float32's error, as before this
+    # fold order: the tensor-core logits' rounding over long products, docs/notes/topk_linear.md.)
+    xs, ws, ids, lps, labels = make_problem(lead=(130,), v=20011, d=328, k=16, dtype=torch.bfloat16, masked_rows=True)
+    check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ids_at_tile_edges_and_many_per_tile(dtype, device):
+    # normalize="full" picks the K student logits out of the vocabulary tiles of its pass (256 wide on
+    # sm_90a, 64 on sm_80, chunks on the CPU): ids on both sides of tile edges, the first and last
+    # vocabulary entries, repeated ids, and K = 700 of V = 1537 (most of a tile's entries in one row)
+    # must each be picked at their own positions, and masked rows not at all.
+    v, k, rows = 1537, 700, 150
+    xs, ws, _, _, labels = make_problem(lead=(rows,), v=v, d=64, k=1, dtype=dtype, masked_rows=True)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(rows)])
+    ids[:, :9] = torch.tensor([0, 63, 64, 255, 256, 511, 512, 1535, 1536])
+    ids[5, 100:120] = ids[5, 0]
+    ids = ids.gather(1, torch.argsort(torch.rand(rows, k, generator=g), dim=1))
+    lps = torch.log_softmax(torch.randn(rows, v, generator=g, dtype=torch.float64) * 3, -1).gather(1, ids).float()
+    check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
+def test_temperatures_and_logit_scales(normalize, temperature, scale, device):
+    xs, ws, ids, lps, _ = make_problem(v=500, k=20, scale=scale)
+    check(xs, ws, ids, lps, normalize=normalize, temperature=temperature, reduction="sum", device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_repeated_ids(normalize, device):
+    # An id listed twice counts twice (as in the reference's gather); its dLoss/dz entry holds both terms.
+    xs, ws, ids, lps, _ = make_problem(v=300, k=12)
+    ids[:, 5] = ids[:, 2]
+    ids[3, 7:] = ids[3, 0]
+    check(xs, ws, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
+def test_teacher_entries_of_zero_probability(device):
+    xs, ws, ids, lps, _ = make_problem(v=300, k=10)
+    lps[:, ::3] = float("-inf")
+    lps[4] = float("-inf")  # a row whose teacher kept no mass: 0, and no gradient
+    for normalize in NORMALIZE:
+        check(xs, ws, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_matches_the_loss_from_logits(normalize, device):
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    xs, ws, ids, lps, labels = make_problem(lead=(4, 7), v=600, k=9, masked_rows=True, dtype=dtype)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    options = dict(normalize=normalize, temperature=1.7, reduction="none", labels=labels)
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)  # two float32 products of the logits
+    torch.testing.assert_close(nitrobrew.topk_kl(xs, ws, ids, lps, **options),
+                               nitrobrew.logits.topk_kl(xs @ ws.T, ids, lps, **options).to(dtype), **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_float64_is_an_error_on_cuda():
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float64 inputs are supported on the CPU only"):
+        nitrobrew.topk_kl(xs.cuda(), ws.cuda(), ids.cuda(), lps.cuda())
+
+
+def test_teacher_gets_no_gradient_and_ignored_rows_give_zero(device):
+    xs, ws, ids, lps, labels = make_problem(lead=(5,), v=40, k=4)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    xs.requires_grad_()
+    ws.requires_grad_()
+    lps.requires_grad_()
+    loss = nitrobrew.topk_kl(xs, ws, ids, lps, labels=torch.full_like(labels, -100))
+    loss.backward()
+    assert loss.item() == 0.0 and lps.grad is None
+    assert xs.grad.abs().max().item() == 0.0 and ws.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("wanted", ["xs", "ws"])
+def test_one_gradient(wanted, device):
+    xs, ws, ids, lps, _ = make_problem(lead=(11,), v=200, k=5)
+    xs, ws, ids, lps = (t.to(device) for t in (xs, ws, ids, lps))
+    xs_, ws_ = xs.clone().requires_grad_(wanted == "xs"), ws.clone().requires_grad_(wanted == "ws")
+    (grad,) = torch.autograd.grad(nitrobrew.topk_kl(xs_, ws_, ids, lps), xs_ if wanted == "xs" else ws_)
+    xs2, ws2 = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    both = torch.autograd.grad(nitrobrew.topk_kl(xs2, ws2, ids, lps), (xs2, ws2))
+    torch.testing.assert_close(grad, both[0] if wanted == "xs" else both[1])
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_non_contiguous_inputs(normalize, device):
+    # A transposed xs and a ws that is a slice of a wider buffer.
+    xs, ws, ids, lps, _ = make_problem(lead=(9,), v=300, d=32, k=8)
+    xs_t = xs.t().contiguous().t()
+    ws_padded = torch.cat([ws, torch.randn(300, 8)], dim=1)[:, :32]
+    assert not xs_t.is_contiguous() and not ws_padded.is_contiguous()
+    check(xs_t, ws_padded, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
+def test_under_autocast(device):
+    xs, ws, ids, lps, _ = make_problem(lead=(6,), v=128, d=32, k=8)
+    xs, ws, ids, lps = (t.to(device) for t in (xs, ws, ids, lps))
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        loss = nitrobrew.topk_kl(xs, ws, ids, lps)
+    torch.testing.assert_close(loss, nitrobrew.topk_kl(xs.bfloat16(), ws.bfloat16(), ids, lps))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda xs, ws, ids, lps: (xs, ws, ids.clamp(max=38) + 2, lps), RuntimeError, r"teacher_ids must be in \[0, V"),
+        (lambda xs, ws, ids, lps: (xs, ws, ids.index_fill(1, torch.tensor([0]), -1), lps), RuntimeError,
+         r"teacher_ids must be in \[0, V"),
+        (lambda xs, ws, ids, lps: (xs, ws, ids.int(), lps), TypeError, "int64"),
+        (lambda xs, ws, ids, lps: (xs, ws, ids, lps[:, :3]), ValueError, "both be"),
+        (lambda xs, ws, ids, lps: (xs, ws, ids[:2], lps[:2]), ValueError, "leading shape"),
+        (lambda xs, ws, ids, lps: (xs, ws[:3], ids, lps), ValueError, "K .* must be in"),
+        (lambda xs, ws, ids, lps: (xs, ws, ids, lps.long()), TypeError, "floating point"),
+        (lambda xs, ws, ids, lps: (xs, ws.double(), ids, lps), TypeError, "share one dtype"),
+        (lambda xs, ws, ids, lps: (xs, ws[:, :5], ids, lps), ValueError, r"ws \[V, D\]"),
+    ],
+)
+def test_errors(change, error, match):
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    xs, ws, ids, lps = change(xs, ws, ids, lps)
+    with pytest.raises(error, match=match):
+        nitrobrew.topk_kl(xs, ws, ids, lps)
+
+
+def test_ignore_index_must_be_an_int():
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        nitrobrew.topk_kl(xs, ws, ids, lps, ignore_index=1.5)
+    zs = xs @ ws.T
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        nitrobrew.logits.topk_kl(zs, ids, lps, ignore_index=True)
+
+
+def test_unknown_normalize_is_an_error():
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    with pytest.raises(ValueError, match="normalize"):
+        nitrobrew.topk_kl(xs, ws, ids, lps, normalize="softmax")
+
+
+def test_op_rejects_ids_out_of_range_on_the_cpu():
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    with pytest.raises(RuntimeError, match=r"teacher_ids must be in \[0, V = 40\)"):
+        torch.ops.nitrobrew.topk_linear_fwd(xs, ws, ids + 40, lps, None, -100, 1.0, False, 0)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_opcheck(renormalize, device):
+    xs, ws, ids, lps, labels = make_problem(lead=(6,), v=70, k=5, masked_rows=True)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    xs.requires_grad_()
+    ws.requires_grad_()
+    args = (ids, lps, labels, -100, 1.5, renormalize, 0)
+    torch.library.opcheck(torch.ops.nitrobrew.topk_linear_fwd.default, (xs, ws) + args)
+    _, row_stats = torch.ops.nitrobrew.topk_linear_fwd(xs.detach(), ws.detach(), *args)
+    for compute_dxs, compute_dws in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.nitrobrew.topk_linear_bwd.default,
+                              (torch.randn(6, device=device), xs.detach(), ws.detach(), ids, lps, labels, row_stats,
+                               -100, 1.5, renormalize, 0, compute_dxs, compute_dws))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_with_backward(dynamic, device):
+    xs, ws, ids, lps, labels = make_problem(lead=(2, 4), v=90, k=6, masked_rows=True)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+
+    def step(a, w, ids, lps, labels):
+        return nitrobrew.topk_kl(a, w, ids, lps, temperature=2.0, labels=labels) * 2.0
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    results = []
+    for fn in (step, compiled):
+        a, w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss = fn(a, w, ids, lps, labels)
+        loss.backward()
+        results.append((loss.detach(), a.grad, w.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager)
