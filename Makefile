@@ -27,7 +27,7 @@ test: install
 # Compile (not link, not run) every CUDA source for sm_80 and sm_90a: the check CI can do
 # without a GPU.
 cuda-check: install
-	bash tools/compile_cuda.sh
+	bash tools/ci/compile_cuda.sh
 
 bench: install
 	$(PYTHON) benchmarks/fused_linear.py

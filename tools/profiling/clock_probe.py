@@ -3,10 +3,10 @@ then nitrobrew's forward KL forward + backward, each for --seconds, with nvidia-
 SM clock, power and throttle reasons every 100 ms. Prints the time per step and the medians of
 the samples taken during each phase (H100, N = 8192 by default).
 
-    python3 tools/clock_probe.py --tokens 8192 [--out clocks.csv]
+    python3 tools/profiling/clock_probe.py --tokens 8192 [--out clocks.csv]
 
 Why: the benchmark's back-to-back steps ran 8% slower than one step behind a queued sleep kernel
-(benchmarks/NOTES.md); if the fused kernels run at lower clocks than cuBLAS under sustained load,
+(docs/notes/measurement.md); if the fused kernels run at lower clocks than cuBLAS under sustained load,
 that shows here.
 """
 

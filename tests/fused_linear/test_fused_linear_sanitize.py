@@ -1,18 +1,23 @@
-"""Runs every CUDA kernel of the fused-linear losses once on small, awkward problems, for
-compute-sanitizer (memcheck, racecheck):
+"""Runs every CUDA kernel of the fused-linear losses once on small, awkward problems.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_fused_linear.py
+The GPU runner (tools/gpu/check.sh sanitize) runs these tests under compute-sanitizer, memcheck and
+racecheck, on both kernel families:
+
+    compute-sanitizer --tool memcheck python -m pytest -m sanitize tests/fused_linear
 """
 
 import itertools
 
+import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
+
+pytestmark = [CUDA, pytest.mark.sanitize]
 
 
-def main():
-    torch.manual_seed(0)
+def test_every_kernel_once():
     dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
@@ -39,8 +44,4 @@ def main():
         loss.backward()
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
-    print("sanitize_fused_linear: all cases ran")
 
-
-if __name__ == "__main__":
-    main()

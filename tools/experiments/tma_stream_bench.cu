@@ -11,7 +11,7 @@
 // take C clocks per slab: it keeps two stages (the slab being multiplied and the one queued
 // behind it), and releases a slab only after "multiplying" it (spinning C clocks). 490 clocks is
 // a 128 x 256 x 32 slab at the H100's dense bf16 peak. Standalone (no torch):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/tma_stream_bench.cu -o tma_stream_bench
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a tools/experiments/tma_stream_bench.cu -o tma_stream_bench
 //   ./tma_stream_bench [repeats]
 // Prints CSV: row width, slab columns, stages, ring size, median ms, GB/s of slabs delivered.
 #include <cuda.h>
@@ -24,7 +24,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../csrc/cuda/sm90_ptx.cuh"
+#include "../../csrc/engine/cuda/sm90/ptx.cuh"
 
 #define CHECK(x)                                                                  \
   do {                                                                            \

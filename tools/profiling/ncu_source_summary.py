@@ -3,7 +3,7 @@
 instructions and of warp samples per opcode, the stall reasons over all samples, and the
 instructions with the most samples, e.g.
 
-    python3 tools/ncu_source_summary.py source.csv --top 15
+    python3 tools/profiling/ncu_source_summary.py source.csv --top 15
 """
 
 import argparse

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Compiles every CUDA source under csrc/ with nvcc (compile only) for the architectures the
 # package ships (NITROBREW_CUDA_ARCHS, default 8.0 and 9.0a), against the installed torch's
-# headers, and the standalone programs in tools/ for sm_90a. Needs no GPU. Fails if there are
-# CUDA sources and no nvcc.
+# headers, and the standalone programs in tools/experiments/ for sm_90a. Needs no GPU. Fails if
+# there are CUDA sources and no nvcc.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # ONLY=pattern compiles just the sources whose path matches it (grep -E).
-# The .cpp files under csrc/cuda are host code of the CUDA build: nvcc hands them to the host compiler.
-mapfile -t sources < <( (find csrc -name '*.cu'; find csrc/cuda -name '*.cpp') | sort | grep -E "${ONLY:-.}")
-# Standalone CUDA programs under tools/ (no torch; Hopper only).
-mapfile -t tools < <(find tools -maxdepth 1 -name '*.cu' | sort | grep -E "${ONLY:-.}")
+# The *_cuda.cpp files are host code of the CUDA build (nitrobrew/_build.py): nvcc hands them to the
+# host compiler.
+mapfile -t sources < <( (find csrc -name '*.cu'; find csrc -name '*_cuda.cpp') | sort | grep -E "${ONLY:-.}")
+# Standalone CUDA programs under tools/experiments/ (no torch; Hopper only).
+mapfile -t tools < <(find tools/experiments -maxdepth 1 -name '*.cu' | sort | grep -E "${ONLY:-.}")
 if [ $((${#sources[@]} + ${#tools[@]})) -eq 0 ]; then
   echo "compile_cuda: no CUDA sources"
   exit 0
@@ -36,7 +37,7 @@ for path in include_paths() + [sysconfig.get_paths()["include"], "csrc"]:
     print("-I" + path)
 # A CPU build of torch ships c10/cuda headers without their generated config header.
 if not any(os.path.exists(os.path.join(p, "c10/cuda/impl/cuda_cmake_macros.h")) for p in include_paths()):
-    print("-Itools/cuda_stubs")
+    print("-Itools/ci/cuda_stubs")
 PY
 )
 # KEEP_OBJ=dir keeps the objects there (for cuobjdump -sass); NVCC_EXTRA adds nvcc flags.

@@ -1,8 +1,8 @@
 """GPU time of each kernel of one forward + backward of a logit-level loss (torch.profiler), to
 see where the time goes:
 
-    python3 tools/profile_logits.py --loss jsd
-    python3 tools/profile_logits.py --loss topk --k 512
+    python3 tools/profiling/profile_logits.py --loss jsd
+    python3 tools/profiling/profile_logits.py --loss topk --k 512
 
 Inputs: N x V bf16 logits (default 8192 x 152064, the benchmark's shape), seeded; for --loss topk
 the teacher's top-K log-probabilities of its own logits.

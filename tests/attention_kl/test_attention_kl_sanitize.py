@@ -2,21 +2,28 @@
 on Hopper the TMA + wgmma forward and backwards (head dims up to 128: the fused backward with its
 dq buffer, also chunked, and the deterministic dq kernel with the fused kernel's dk alone) and the mma.sync kernels for
 larger head dims; with NITROBREW_FORCE_SM80=1 the mma.sync forward, dk with atomic dq (also
-chunked), and dq and dk of the deterministic backward:
+chunked), and dq and dk of the deterministic backward.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_attention_kl.py
+The GPU runner (tools/gpu/check.sh sanitize) runs these tests under compute-sanitizer, memcheck and
+racecheck, on both kernel families:
+
+    compute-sanitizer --tool memcheck python -m pytest -m sanitize tests/attention_kl
 """
 
 import itertools
 import os
 
+import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
+
+pytestmark = [CUDA, pytest.mark.sanitize]
+DEV_KNOBS = os.environ.get("NITROBREW_DEV_KNOBS") == "1"
 
 
-def main():
-    torch.manual_seed(0)
+def test_every_kernel_once(monkeypatch):
     dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16],
@@ -33,8 +40,9 @@ def main():
         q_t = torch.randn(b, n_q, h, d_t, device=dev, dtype=dtype)
         k_t = torch.randn(b, n_k, h_kt, d_t, device=dev, dtype=dtype)
         mask = torch.rand(b, n_k, device=dev) > 0.2
-        for chunked in (False, True):  # dq buffer in one piece / one key head per chunk
-            os.environ["NITROBREW_DQ_ACCUM_BYTES"] = "1" if chunked else str(256 << 20)
+        # dq buffer in one piece / one key head per chunk (a development build's budget switch)
+        for chunked in (False, True) if DEV_KNOBS else (False,):
+            monkeypatch.setenv("NITROBREW_DQ_ACCUM_BYTES", "1" if chunked else str(256 << 20))
             loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, kind="reverse" if causal else "forward", causal=causal,
                                           attention_mask=mask, temperature=2.0, deterministic=deterministic)
             grads = torch.autograd.grad(loss, (q_s, k_s))
@@ -42,8 +50,4 @@ def main():
             assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
             if deterministic:
                 break  # no dq buffer
-    print("sanitize_attention_kl: all cases ran")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,9 +2,9 @@
 
     ncu --kernel-name regex:fused_kernel --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --section WarpStateStats -o report \\
-        python3 tools/profile_attention.py --n 8192
+        python3 tools/profiling/profile_attention.py --n 8192
     ncu -i report.ncu-rep --page source --csv --print-source sass > source.csv
-    python3 tools/ncu_source_summary.py source.csv
+    python3 tools/profiling/ncu_source_summary.py source.csv
 
 Runs two steps, so that --launch-skip 1 skips the first launch of each kernel.
 """

@@ -1,9 +1,9 @@
 """Same-process A/B timing of kernel variants selected by environment variables (which the
-extension reads at each launch), in alternation and beside the baseline of the issue's target, so
+extension reads at each launch), in alternation and beside a same-process baseline, so
 that clocks, temperature and the power cap weigh on every variant alike:
 
-    python tools/ab_variants.py attention --variants none NITROBREW_X=1 --out ab.csv
-    python tools/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
+    python tools/experiments/ab_variants.py attention --variants none NITROBREW_X=1 --out ab.csv
+    python tools/experiments/ab_variants.py fused_linear --variants none NITROBREW_Y=1 --out ab.csv
 
 A variant is `none` or assignments joined by '+' (attention: NITROBREW_AB_DETERMINISTIC=1 is read by
 this script itself and passes deterministic=True). Each round times every method (the baseline and
@@ -19,6 +19,8 @@ and (twice) of the gradients (variants that must not change results have equal c
 - topk_linear: nitrobrew.topk_kl (normalize="full") for K = 32, 128 and 512 (the CSV's `case`) against
   the cuBLAS products of benchmarks/topk_linear.py's floor, with its inputs (V = 152064, D = 3584; the
   teacher's top-K of the student's logits plus noise).
+- logits: nitrobrew.logits' forward_kl, jsd and topk_kl (K = 128) from [N, 152064] bf16 logits (the
+  CSV's `case`) against PyTorch's forward KL on the materialized float32 log-probabilities.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 
 import nitrobrew
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def timed(fn, iters: int) -> float:
@@ -129,10 +131,30 @@ def topk_linear_problem(n: int, k: int, peers: bool, vocab=152064, d=3584):
             lambda: torch.autograd.grad(nitrobrew.topk_kl(xs, ws, ids, lps), (xs, ws)))
 
 
-# Each problem with the cases it runs (attention: causal or not; topk_linear: K).
+def logits_problem(n: int, loss: str, peers: bool, vocab=152064):
+    torch.manual_seed(0)
+    zs = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16).mul_(3).requires_grad_()
+    zt = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16).mul_(3)
+    if loss == "topk_kl":  # the teacher's top 128 of its logits
+        with torch.no_grad():
+            lps, ids = torch.log_softmax(zt.float(), -1).topk(128, dim=-1)
+        ours = lambda **kw: nitrobrew.logits.topk_kl(zs, ids, lps, **kw)  # noqa: E731
+    else:
+        ours = lambda **kw: getattr(nitrobrew.logits, loss)(zs, zt, **kw)  # noqa: E731
+
+    def torch_kl():  # PyTorch on the materialized float32 log-probabilities: forward KL
+        log_p, log_q = torch.log_softmax(zs.float(), -1), torch.log_softmax(zt.float(), -1)
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+    others = {"torch_forward_kl": (torch.no_grad()(torch_kl), lambda: torch.autograd.grad(torch_kl().mean(), zs))}
+    return (others, torch.no_grad()(lambda: ours(reduction="none")), lambda: torch.autograd.grad(ours(), zs))
+
+
+# Each problem with the cases it runs (attention: causal or not; topk_linear: K; logits: the loss).
 PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,)),
             "fused_linear_llama": (fused_linear_llama_problem, (False,)),
-            "topk_linear": (topk_linear_problem, (32, 128, 512))}
+            "topk_linear": (topk_linear_problem, (32, 128, 512)),
+            "logits": (logits_problem, ("forward_kl", "jsd", "topk_kl"))}
 
 
 def apply(variant: str, names: set[str]) -> None:
@@ -177,7 +199,7 @@ def main() -> None:
                     times[name]["forward"].append(timed(fwd, args.iters))
                     times[name]["forward+backward"].append(timed(step, args.iters))
                 # Each round starts with the next variant: the first one after the baseline ran
-                # measurably slower (benchmarks/NOTES.md), so no variant keeps that place.
+                # measurably slower (docs/notes/measurement.md), so no variant keeps that place.
                 shift = r % len(args.variants)
                 for variant in args.variants[shift:] + args.variants[:shift]:
                     apply(variant, names)

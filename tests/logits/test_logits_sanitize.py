@@ -1,19 +1,25 @@
 """Runs the CUDA kernels of the logit-level losses (KL pass, JSD's mixture pass, gradient) and of
 the top-K losses (forward, backward; both normalizations, repeated ids) once on small, awkward
-problems, for compute-sanitizer:
+problems.
 
-    compute-sanitizer --tool memcheck python tools/sanitize_logit_distill.py
+The GPU runner (tools/gpu/check.sh sanitize) runs these tests under compute-sanitizer, memcheck and
+racecheck, on both kernel families:
+
+    compute-sanitizer --tool memcheck python -m pytest -m sanitize tests/logits
 """
 
 import itertools
 
+import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
+
+pytestmark = [CUDA, pytest.mark.sanitize]
 
 
-def main():
-    torch.manual_seed(0)
+def test_every_kernel_once():
     dev = "cuda"
     losses = [nitrobrew.logits.forward_kl, nitrobrew.logits.reverse_kl,
               lambda zs, zt, **kw: nitrobrew.logits.jsd(zs, zt, beta=0.3, **kw)]
@@ -54,8 +60,4 @@ def main():
             (grad,) = torch.autograd.grad(loss, zs)
             torch.cuda.synchronize()
             assert torch.isfinite(loss) and torch.isfinite(grad).all()
-    print("sanitize_logit_distill: all cases ran")
 
-
-if __name__ == "__main__":
-    main()

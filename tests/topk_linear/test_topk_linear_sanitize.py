@@ -1,18 +1,24 @@
 """Runs every CUDA kernel of the top-K loss from hidden states (nitrobrew.topk_kl) once on small,
 awkward problems, for compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python tools/sanitize_topk_linear.py
+The GPU runner (tools/gpu/check.sh sanitize) runs these tests under compute-sanitizer, memcheck and
+racecheck, on both kernel families:
+
+    compute-sanitizer --tool memcheck python -m pytest -m sanitize tests/topk_linear
 """
 
 import itertools
 
+import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
+
+pytestmark = [CUDA, pytest.mark.sanitize]
 
 
-def main():
-    torch.manual_seed(0)
+def test_every_kernel_once():
     dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
@@ -38,8 +44,4 @@ def main():
         loss.backward()
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
-    print("sanitize_topk_linear: all cases ran")
 
-
-if __name__ == "__main__":
-    main()

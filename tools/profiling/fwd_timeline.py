@@ -1,10 +1,11 @@
 """Where the Hopper attention-KL forward's tile step goes, from the kernel's own clock stamps
-(NITROBREW_FWD_TIMELINE, csrc/cuda/attention_kl_hopper.cu): per consumer warpgroup and key tile,
+(NITROBREW_FWD_TIMELINE of a development build, NITROBREW_DEV_KNOBS=1;
+csrc/attention_kl/attention_kl_fwd_sm90.cu): per consumer warpgroup and key tile,
 the cycles spent waiting for the stage, waiting for its turn, issuing, waiting for the products
 and folding; the producer's wait for a free stage; and how much of one warpgroup's fold overlaps
 the other's products (the ping-pong's purpose).
 
-    python3 tools/fwd_timeline.py --n 8192 [--causal] [--out timeline.csv]
+    python3 tools/profiling/fwd_timeline.py --n 8192 [--causal] [--out timeline.csv]
 
 bfloat16, forward KL, B = 1, H = 32, D = 128. Medians over every block and every key tile past the
 first two (the ring's fill) and before the last.

@@ -2,13 +2,13 @@
 
     ncu --kernel-name regex:logit_kernel --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python3 tools/profile_fused_linear.py --tokens 2048
+        python3 tools/profiling/profile_fused_linear.py --tokens 2048
 
 With --breakdown, prints the GPU time of each kernel of one forward + backward instead
 (torch.profiler), to see where the time goes. --forward-only leaves out the backward;
 --repeats R also prints the median wall time of R runs and a checksum of the loss and the
 gradients (the inputs are seeded, so runs of kernel variants, which must not change the results,
-can be compared; tools/bench_experiments.sh does).
+can be compared; tools/experiments/bench_experiments.sh does).
 """
 
 import argparse
@@ -44,7 +44,7 @@ def main():
     if args.repeats > 0:
         # Each step timed twice over: as issued (the GPU waits while the host prepares the first
         # launch) and behind a queued sleep kernel (the host's lead hidden; but the GPU also rests
-        # during the sleep, and such steps ran 8% faster at N = 8192: benchmarks/NOTES.md).
+        # during the sleep, and such steps ran 8% faster at N = 8192: docs/notes/measurement.md).
         def fresh_gradients():
             xs.grad = ws.grad = None  # as after zero_grad()
 

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU runner: build, GPU tests, compute-sanitizer, benchmarks, in one call on a GPU machine.
+# Results and logs go to $OUT (default ./gpu_out); a short summary is printed last.
+#   bash tools/gpu/check.sh [STEP ...]      (default: build test test_sm80 sanitize)
+# Steps:
+#   build        pip install -e . for sm_90a, as a development build (NITROBREW_DEV_KNOBS=1: the tests
+#                of the switches only such a build has run too; docs/development.md)
+#   test         the CUDA tests (pytest -k cuda and the CUDA-only files)
+#   test_sm80    the same with the sm_80 (mma.sync) kernels forced on this GPU
+#   sanitize     every family's sanitizer cases (pytest -m sanitize) under compute-sanitizer memcheck
+#                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
+#   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
+# FAMILIES="fused_linear logits" limits sanitize to those test folders.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+steps=${*:-build test test_sm80 sanitize}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
+export NITROBREW_DEV_KNOBS=${NITROBREW_DEV_KNOBS:-1}
+families=${FAMILIES:-fused_linear topk_linear logits attention_kl}
+status=0
+summary=()
+# Python packages the GPU machine lacks (liger-kernel for the benchmarks' peer), carried as wheels in
+# .whl/ (pip download --no-deps ... -d .whl NAME==VERSION on a machine with a registry).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nitrobrew_site .whl/*.whl &&
+    export PYTHONPATH=/tmp/nitrobrew_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 15 "$OUT/$name.log"
+  summary+=("$name rc=$rc $((SECONDS - t0))s")
+  [ $rc -eq 0 ] || status=1
+}
+sanitize() {  # sanitize TOOL [env ...]: every family's sanitizer cases under compute-sanitizer TOOL
+  local tool=$1; shift
+  for family in $families; do
+    run "${tool}_${family}${SUFFIX:-}" env "$@" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      python3 -m pytest -q -x -m sanitize -p no:cacheprovider "tests/$family"
+  done
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+for step in $steps; do
+  case $step in
+    # The system g++ where there is one: on the H100 machine the preset CXX (/opt/gcc/bin/g++, a
+    # wrapper around another g++ build) produced an extension whose C++ exceptions segfaulted
+    # instead of reaching Python. NITROBREW_BUILD_CXX overrides.
+    build) run build env CXX="${NITROBREW_BUILD_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}" \
+             python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
+    test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
+    # The sm_80 (mma.sync) kernels, forced on this GPU (the *_cuda.py files cover both themselves).
+    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q -x -k "cuda and not fused_linear_cuda" \
+                 -p no:cacheprovider ;;
+    sanitize)
+      sanitize memcheck
+      sanitize racecheck
+      SUFFIX=_sm80 sanitize memcheck NITROBREW_FORCE_SM80=1
+      SUFFIX=_sm80 sanitize racecheck NITROBREW_FORCE_SM80=1 ;;
+    bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
+    bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
+    bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
+    bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
+    *) echo "unknown step: $step"; status=1 ;;
+  esac
+done
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+exit $status
