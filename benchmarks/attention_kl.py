@@ -7,9 +7,9 @@ Each row is one (method, N, causal, mode), with N_q = N_k = N and inputs in Flas
 layout: median and min time of `--repeats` runs after `--warmup` runs, the peak memory above what the
 inputs hold, and the time as a ratio to `sdpa` at the same N, causal flag and mode. `sdpa` is
 scaled_dot_product_attention as PyTorch dispatches it by default (the `backend` column names the kernels
-it ran: on the H100 with torch 2.11, cuDNN's fused flash attention, which is what DESIGN.md's 1.70 / 6.66 ms
-measured); `sdpa_flash` forces PyTorch's own FlashAttention-2 backend, ~1.8x slower there.
-The issue's targets: at N = 8192, nitrobrew forward <= 1.3x and forward + backward <= 1.5x SDPA's; at
+it ran: on the H100 with torch 2.11, cuDNN's fused flash attention, 1.70 / 6.66 ms forward / forward +
+backward at N = 8192); `sdpa_flash` forces PyTorch's own FlashAttention-2 backend, ~1.8x slower there.
+The targets: at N = 8192, nitrobrew forward <= 1.3x and forward + backward <= 1.5x SDPA's; at
 N = 65536, at most 1 GiB of extra memory. Memory is measured as in fused_linear.py: growth of
 torch.cuda.max_memory_allocated on CUDA; on CPU every measurement runs in a fresh subprocess and reports
 its peak RSS growth (VmHWM).
@@ -252,7 +252,7 @@ def print_table(rows):
 
 
 def print_targets(rows):
-    """The issue's three numbers, where this run measured them."""
+    """The three target numbers, where this run measured them."""
     ok = {(r["method"], r["N"], r["causal"], r["mode"]): r for r in rows if r["status"] == "ok"}
     for (name, n, causal, mode), r in ok.items():
         if name == "nitrobrew" and n == 8192 and r.get("ratio_to_sdpa"):
@@ -286,7 +286,7 @@ def plot(rows, path):
                 failed = [f"{r['N']} {r['status']}" for r in here if r["method"] == m and r["status"] != "ok"]
                 label_m = m + (f" ({', '.join(failed)})" if failed else "")  # failed rows have no point
                 ax.plot([r["N"] for r in ok], [max(r[key], 1e-3) for r in ok], "o-", label=label_m)
-            if key == "median_ms":  # the issue's speed target, drawn at every N as a guide
+            if key == "median_ms":  # the speed target, drawn at every N as a guide
                 target = 1.3 if mode == "forward" else 1.5
                 sdpa = [r for r in here if r["method"] == "sdpa" and r["status"] == "ok"]
                 ax.plot([r["N"] for r in sdpa], [target * r["median_ms"] for r in sdpa], "k:",

@@ -35,7 +35,7 @@ from nitrobrew import reference
 BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # each loss as a beta of the reference
 DEFAULT_SHAPES = {
     "cpu": (512, 32000, 1024, 1536),
-    "cuda": (8192, 152064, 3584, 5120),  # DESIGN.md's Qwen-7B -> 14B reference problem
+    "cuda": (8192, 152064, 3584, 5120),  # the Qwen-7B -> 14B reference problem (docs/performance.md)
 }
 COLUMNS = [
     "date", "device", "torch", "cuda", "threads", "method", "loss", "mode", "dtype", "N", "V", "Ds", "Dt",
@@ -63,7 +63,7 @@ def _nitrobrew(xs, xt, ws, wt, *, loss, reduction):
 @method("naive")
 def _naive(xs, xt, ws, wt, *, loss, reduction):
     # dtype=None keeps the inputs' dtype: both [N, V] logit matrices are materialized, as plain PyTorch does.
-    return reference.fused_linear_distill(xs, xt, ws, wt, beta=BETAS[loss], reduction=reduction, dtype=None)
+    return reference.fused_linear(xs, xt, ws, wt, beta=BETAS[loss], reduction=reduction, dtype=None)
 
 
 class _GemmFloor(torch.autograd.Function):

@@ -1,5 +1,5 @@
 """How fast a recompute backward could be at best: cuBLAS's time for the six products of the
-fused-linear losses' recompute design against the four of the issue's floor, and naive PyTorch's
+fused-linear losses' recompute design against the four of the compute floor, and naive PyTorch's
 forward + backward, in one process -> CSV.
 
     python benchmarks/recompute_floor.py                    # H100: both shapes, N = 4096 / 8192 / 16384
