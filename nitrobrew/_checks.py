@@ -24,6 +24,14 @@ def floating(value: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float32, float64, bfloat16 or float16, got {value.dtype}")
 
 
+def _scalar(value):
+    """A 0-d tensor as the Python number it holds (numpy scalars already are numbers.Real / Integral);
+    anything else as it is."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+        return value.item()
+    return value
+
+
 def _real(value) -> bool:
     # torch.compile(dynamic=True) passes Python floats as SymFloats; float() specializes them.
     return not isinstance(value, bool) and isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt))
@@ -36,6 +44,7 @@ def _finite(value) -> bool:
 
 
 def positive_number(value, name: str) -> float:
+    value = _scalar(value)
     if not _real(value) or not _finite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
@@ -46,12 +55,14 @@ def optional_positive_number(value, name: str) -> float | None:
 
 
 def non_negative_number(value, name: str) -> float:
+    value = _scalar(value)
     if not _real(value) or not _finite(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
     return float(value)
 
 
 def unit_interval(value, name: str) -> float:
+    value = _scalar(value)
     if not _real(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
@@ -66,6 +77,7 @@ def reduction(value) -> str:
 def optional_positive_int(value, name: str) -> int | None:
     if value is None:
         return None
+    value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)) or value < 1:
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     return int(value)
@@ -85,14 +97,17 @@ def labels(value, lead_shape: torch.Size, device: torch.device, of: str = "xs") 
 
 
 def ignore_index(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"ignore_index must be an int, got {value!r}")
-    return value
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"ignore_index must be an integer (a Python int, a numpy integer or a 0-d integer tensor), "
+                        f"got {value!r}")
+    return int(value)
 
 
 def kernel_device(device: torch.device, supported) -> None:
-    """The extension has kernels for `device` (this build's kernel device types: `supported`)."""
-    if device.type not in supported:
+    """The extension has kernels for `device` (this build's kernel device types: `supported`). Meta
+    tensors go through the ops' fake kernels: shapes and dtypes without data."""
+    if device.type not in supported and device.type != "meta":
         raise RuntimeError(
             f"this build of nitrobrew has no kernels for {device.type} tensors; rebuild it on a machine "
             f"with a CUDA toolkit and a CUDA build of torch (see the README's build section)"
@@ -126,6 +141,26 @@ def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Siz
     k = teacher_ids.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
+    topk_ids_in_range(teacher_ids, vocab)
+
+
+def topk_ids_in_range(teacher_ids: Tensor, vocab: int) -> None:
+    """Every id in [0, vocab), or an IndexError naming the first offending one and its position.
+
+    Reads one flag on the host: on CUDA a synchronization, the price of an error the training job can
+    catch (a device-side assertion would end the process's CUDA context). Skipped while torch.compile
+    traces and while a CUDA graph captures, where no host read is possible: there the op's own check
+    applies (the CPU raises; CUDA kernels stop with a device-side assertion)."""
+    if teacher_ids.numel() == 0 or teacher_ids.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if teacher_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    outside = (teacher_ids < 0) | (teacher_ids >= vocab)
+    if bool(outside.any()):
+        position = tuple(int(i) for i in outside.nonzero()[0])
+        value = int(teacher_ids[position])
+        raise IndexError(f"teacher_ids{list(position)} = {value} is outside [0, V = {vocab}); "
+                         f"{int(outside.sum())} of {teacher_ids.numel()} ids are")
 
 
 def autocast_inputs(*tensors):

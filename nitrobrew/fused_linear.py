@@ -91,6 +91,12 @@ def _fused_linear_loss(
         raise ValueError(f"xs and xt must be [..., D] tensors, got shapes {tuple(xs.shape)} and {tuple(xt.shape)}")
     if ws.dim() != 2 or wt.dim() != 2:
         raise ValueError(f"ws and wt must be [V, D] matrices, got shapes {tuple(ws.shape)} and {tuple(wt.shape)}")
+    if xs.shape[-1] == 0 or xt.shape[-1] == 0:
+        raise ValueError(f"xs and xt must have a hidden size D >= 1 (their last dimension), got shapes "
+                         f"{tuple(xs.shape)} and {tuple(xt.shape)}")
+    if ws.shape[0] == 0 or wt.shape[0] == 0:
+        raise ValueError(f"ws and wt must hold at least one vocabulary row each, got shapes {tuple(ws.shape)} and "
+                         f"{tuple(wt.shape)}")
     lead_shape = xs.shape[:-1]
     if xt.shape[:-1] != lead_shape:
         raise ValueError(

@@ -51,13 +51,12 @@ _KERNEL_DEVICE_TYPES = kernel_device_types("logits_fwd")
 
 
 def _common_checks(zs, temperature, reduction, labels, ignore_index):
-    """Checks shared by every loss here; returns (temperature, reduction, labels)."""
+    """Checks shared by every loss here; returns (temperature, reduction, labels, ignore_index)."""
     _checks.kernel_device(zs.device, _KERNEL_DEVICE_TYPES)
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, zs.shape[:-1], zs.device, of="zs")
-    _checks.ignore_index(ignore_index)
-    return temperature, reduction, labels
+    return temperature, reduction, labels, _checks.ignore_index(ignore_index)
 
 
 def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
@@ -72,7 +71,7 @@ def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, 
     if zs.dtype != zt.dtype:
         raise TypeError(f"zs and zt must share one dtype, got {zs.dtype} and {zt.dtype}")
     _checks.same_device({"zs": zs, "zt": zt})
-    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
+    temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
     beta = _checks.unit_interval(beta, "beta")
     lead_shape = zs.shape[:-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
@@ -110,8 +109,10 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     sum_k q_k (log q_k - log p_{id_k}) with q_k = exp(teacher_logprobs_k).
     normalize="full": p is the student's softmax over the whole vocabulary and q_k is used as given (its
     sum may be < 1); "topk": both are renormalized over the K ids. The temperature divides the student's
-    logits only. Other options as in forward_kl; the gradient flows to zs only. On CUDA, ids outside
-    [0, V) stop the kernel with a device-side assertion (as torch.gather's do); the CPU raises.
+    logits only. Other options as in forward_kl; the gradient flows to zs only. Ids outside
+    [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
+    synchronization; skipped while torch.compile traces or a CUDA graph captures, where the CUDA kernels stop
+    with a device-side assertion instead).
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")
@@ -121,7 +122,7 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1], vocab, of="zs")
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
-    temperature, reduction, labels = _common_checks(zs, temperature, reduction, labels, ignore_index)
+    temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss, _ = ops.topk_logits_fwd(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
                                   flat_labels, ignore_index, temperature, normalize == "topk")

@@ -183,10 +183,12 @@ def attention_kl(
     temperature: float = 1.0,
     reduction: str = "mean",
     attention_mask: Tensor | None = None,
+    query_mask: Tensor | None = None,
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
     """What nitrobrew.attention_kl computes, with the [B, H, N_q, N_k] scores materialized in
-    `dtype` (None: the inputs' dtype). Layout [B, N, H, D]; GQA key heads are repeated."""
+    `dtype` (None: the inputs' dtype). Layout [B, N, H, D]; GQA key heads are repeated. Masks are
+    nonzero = attended (keys) / counted (query rows)."""
     if dtype is not None:
         q_s, k_s, q_t, k_t = (t.to(dtype) for t in (q_s, k_s, q_t, k_t))
     b, n_q, h, d_s = q_s.shape
@@ -198,8 +200,12 @@ def attention_kl(
         k = k.repeat_interleave(h // k.shape[2], dim=2)
         return torch.einsum("bqhd,bkhd->bhqk", q, k) * scale / temperature
 
+    if attention_mask is not None:
+        attention_mask = attention_mask != 0
     visible = visible_keys(b, n_q, n_k, causal=causal, attention_mask=attention_mask, device=q_s.device)[:, None]
     row_visible = visible.any(-1)  # [B, 1, N_q]
+    if query_mask is not None:  # padded query rows: no loss, no gradient, not counted
+        row_visible = row_visible & (query_mask != 0).to(q_s.device)[:, None, :]
     neg_inf = torch.tensor(float("-inf"), dtype=q_s.dtype, device=q_s.device)
     s = torch.where(visible, scores(q_s, k_s, scale_s), neg_inf)
     t = torch.where(visible, scores(q_t, k_t, scale_t), neg_inf)

@@ -55,14 +55,16 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
 
     The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
-    gradients flow to xs and ws. On CUDA, ids outside [0, V) stop the kernel with a device-side assertion
-    (as torch.gather's do); the CPU raises.
+    gradients flow to xs and ws. Ids outside [0, V) raise an IndexError naming the first one and its position
+    (on CUDA at the cost of a host synchronization; skipped while torch.compile traces or a CUDA graph
+    captures, where the CUDA kernels stop with a device-side assertion instead).
     """
     for name, value in (("xs", xs), ("ws", ws)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
-    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0:
-        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1, got {tuple(xs.shape)} and {tuple(ws.shape)}")
+    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0 or xs.shape[-1] == 0:
+        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1 and D >= 1, got {tuple(xs.shape)} and "
+                         f"{tuple(ws.shape)}")
     lead_shape = xs.shape[:-1]
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, ws.shape[0], of="xs")
     _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
 from helpers import GQA, KINDS, check_attention, make_attention
 
 @pytest.mark.parametrize(
@@ -160,8 +161,10 @@ def test_no_buffer_of_queries_times_keys_is_allocated():
         (dict(temperature=0.0), ValueError, "temperature must be"),
         (dict(scale_s=float("nan")), ValueError, "scale_s must be"),
         (dict(reduction="avg"), ValueError, "reduction must be one of"),
-        (dict(attention_mask=torch.ones(2, 7)), TypeError, "attention_mask must be a bool"),
-        (dict(attention_mask=torch.ones(2, 6, dtype=torch.bool)), RuntimeError, "attention_mask must be \\[B, N_k\\]"),
+        (dict(attention_mask=torch.ones(2, 7)), TypeError, "attention_mask must be a bool or integer tensor"),
+        (dict(attention_mask=torch.ones(2, 6, dtype=torch.bool)), ValueError, "attention_mask must be \\[B, N\\] = \\[2, 7\\]"),
+        (dict(query_mask=torch.ones(2, 7, dtype=torch.bool)), ValueError, "query_mask must be \\[B, N\\] = \\[2, 5\\]"),
+        (dict(q_s=torch.randn(2, 5, 4, 0), k_s=torch.randn(2, 7, 2, 0)), ValueError, "q_s must have a head dim D >= 1"),
         (dict(causal=1), TypeError, "causal and deterministic must be bools"),
     ],
 )
@@ -172,3 +175,27 @@ def test_bad_input_is_a_clear_error(change, error, match):
     args.update({key: value for key, value in change.items() if key in args})
     with pytest.raises(error, match=match):
         nitrobrew.attention_kl(args["q_s"], args["k_s"], args["q_t"], args["k_t"], **options)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none", "sum"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_query_mask_and_integer_masks(device, causal, reduction):
+    # Hugging Face's int64 0/1 attention_mask as it is, and padded query rows left out of the loss,
+    # the gradient and the mean; against the float64 reference with the same masks.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q_s, k_s, q_t, k_t, mask = make_attention(b=3, n_q=21, n_k=30, gqa="student", masked=True, dtype=dtype,
+                                              device=device)
+    query_mask = torch.ones(3, 21, dtype=torch.int64, device=device)
+    query_mask[0, :4] = 0  # left padding
+    query_mask[2, -5:] = 0  # right padding
+    check_attention(q_s, k_s, q_t, k_t, causal=causal, attention_mask=mask.long(), query_mask=query_mask,
+                    reduction=reduction)
+    q_s = q_s.detach().requires_grad_()
+    loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, attention_mask=mask.long(),
+                                  query_mask=query_mask.bool(), reduction="none")
+    loss.sum().backward()
+    assert (loss[0, :, :4] == 0).all() and (q_s.grad[0, :4] == 0).all() and (q_s.grad[2, -5:] == 0).all()
+    as_bool = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, attention_mask=mask, reduction="none")
+    as_int = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=causal, attention_mask=mask.int(), reduction="none")
+    assert torch.equal(as_bool, as_int)

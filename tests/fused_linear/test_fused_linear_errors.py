@@ -2,6 +2,8 @@
 
 import inspect
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -117,3 +119,43 @@ def test_the_three_functions_share_one_signature_and_document_it():
         assert inspect.signature(module.reverse_kl) == kl
         for fn in (module.forward_kl, module.reverse_kl, module.jsd):
             assert fn.__module__ == module.__name__ and "temperature" in fn.__doc__
+
+
+def test_numbers_may_be_0d_tensors_or_numpy_scalars(problem):
+    xs, xt, ws, wt, labels = make_problem(n=6, v=50, d_s=8, d_t=12, masked=True)
+    expected = nitrobrew.jsd(xs, xt, ws, wt, beta=0.25, temperature=2.0, labels=labels, ignore_index=-100,
+                             ce_weight=0.5, softcap_s=30.0, vocab_size=48, chunk_V=16)
+    got = nitrobrew.jsd(xs, xt, ws, wt, beta=torch.tensor(0.25), temperature=np.float32(2.0), labels=labels,
+                        ignore_index=np.int64(-100), ce_weight=torch.tensor(0.5, dtype=torch.float64),
+                        softcap_s=np.float64(30.0), vocab_size=torch.tensor(48), chunk_V=np.int32(16))
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(TypeError, match="ignore_index must be an integer"):
+        nitrobrew.forward_kl(xs, xt, ws, wt, ignore_index=torch.tensor(-100.0))
+    with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+        nitrobrew.forward_kl(xs, xt, ws, wt, temperature=torch.ones(2))
+
+
+def test_empty_sizes_are_named(problem):
+    xs, xt, ws, wt, _ = problem
+    with pytest.raises(ValueError, match="hidden size D >= 1"):
+        nitrobrew.forward_kl(xs[:, :0], xt, ws[:, :0], wt)
+    with pytest.raises(ValueError, match="at least one vocabulary row"):
+        nitrobrew.forward_kl(xs, xt, ws[:0], wt[:0])
+    with pytest.raises(ValueError, match="D >= 1"):
+        nitrobrew.topk_kl(xs[:, :0], ws[:, :0], torch.zeros(6, 2, dtype=torch.int64), torch.zeros(6, 2))
+
+
+def test_meta_tensors_go_through_the_fake_kernels():
+    # Shape inference without data (as torch.compile's tracing and model summaries do): no kernel runs.
+    meta = dict(device="meta")
+    xs, xt = torch.empty(2, 7, 8, **meta), torch.empty(2, 7, 12, **meta)
+    ws, wt = torch.empty(50, 8, **meta), torch.empty(50, 12, **meta)
+    ids, lps = torch.empty(2, 7, 5, dtype=torch.int64, **meta), torch.empty(2, 7, 5, **meta)
+    assert nitrobrew.jsd(xs, xt, ws, wt, reduction="none").shape == (2, 7)
+    assert nitrobrew.forward_kl(xs, xt, ws, wt).shape == ()
+    assert nitrobrew.topk_kl(xs, ws, ids, lps, reduction="none").shape == (2, 7)
+    zs = torch.empty(2, 7, 50, **meta)
+    assert nitrobrew.logits.reverse_kl(zs, zs, reduction="none").shape == (2, 7)
+    assert nitrobrew.logits.topk_kl(zs, ids, lps).device.type == "meta"
+    q, k = torch.empty(2, 9, 4, 16, **meta), torch.empty(2, 11, 2, 16, **meta)
+    assert nitrobrew.attention_kl(q, k, q, k, causal=True, reduction="none").shape == (2, 4, 9)

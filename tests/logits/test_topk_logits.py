@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nitrobrew
+from conftest import CUDA
 from helpers import assert_close_to_oracle
 from nitrobrew import reference
 
@@ -157,9 +158,10 @@ def test_teacher_gets_no_gradient_and_ignored_rows_give_zero(device):
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda zs, ids, lps: (zs, ids.clamp(max=38) + 2, lps), RuntimeError, r"teacher_ids must be in \[0, V"),
-        (lambda zs, ids, lps: (zs, ids.index_fill(1, torch.tensor([0]), -1), lps), RuntimeError,
-         r"teacher_ids must be in \[0, V"),
+        (lambda zs, ids, lps: (zs, ids.clamp(max=38) + 2, lps), IndexError,
+         r"teacher_ids\[\d+, \d+\] = 40 is outside \[0, V = 40\)"),
+        (lambda zs, ids, lps: (zs, ids.index_fill(1, torch.tensor([0]), -1), lps), IndexError,
+         r"teacher_ids\[0, 0\] = -1 is outside \[0, V = 40\); 5 of 20 ids are"),
         (lambda zs, ids, lps: (zs, ids.int(), lps), TypeError, "int64"),
         (lambda zs, ids, lps: (zs, ids, lps[:, :3]), ValueError, "both be"),
         (lambda zs, ids, lps: (zs, ids[:2], lps[:2]), ValueError, "leading shape"),
@@ -221,3 +223,17 @@ def test_non_contiguous_logits(normalize, device):
     for z in (column_major, padded):
         assert not z.is_contiguous()
         check(z, ids, lps, normalize=normalize, reduction="none", device=device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_ids_out_of_range_raise_and_leave_the_device_usable(device):
+    # An IndexError naming the id and its position, on every device; on CUDA no device-side assertion,
+    # so the next call in the same process runs.
+    zs, ids, lps, _ = make_topk(lead=(2, 5), v=40, k=4)
+    zs, ids, lps = zs.to(device), ids.to(device), lps.to(device)
+    bad = ids.clone()
+    bad[1, 3, 2] = 40
+    with pytest.raises(IndexError, match=r"teacher_ids\[1, 3, 2\] = 40 is outside \[0, V = 40\)"):
+        nitrobrew.logits.topk_kl(zs, bad, lps)
+    loss = nitrobrew.logits.topk_kl(zs, ids, lps)
+    assert torch.isfinite(loss).item()
