@@ -39,7 +39,7 @@ def values_and_grad(fn, zs, zt, upstream, **options):
     return loss.detach().cpu(), dzs.cpu()
 
 
-def check(zs, zt, *, beta, k=2.0, rel_floor=1e-6, device="cpu", **options):
+def check(zs, zt, *, beta, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", **options):
     """nitrobrew on `device` vs the float64 oracle, bounded by k x the error of the reference in
     float32 (the precision nitrobrew accumulates 16-bit and float32 inputs in; float64 for float64).
     zs, zt and labels are CPU tensors (moved to `device` for nitrobrew, keeping their strides)."""
@@ -58,7 +58,8 @@ def check(zs, zt, *, beta, k=2.0, rel_floor=1e-6, device="cpu", **options):
     loss32, dzs32 = values_and_grad(ref, zs.to(same), zt.to(same), upstream, **options)
     assert loss.dtype == same
     assert dzs.dtype == zs.dtype and dzs.shape == zs.shape
-    assert_close_to_oracle(loss, loss64, loss32, k=k, rel_floor=rel_floor, what=f"loss beta={beta}")
+    assert_close_to_oracle(loss, loss64, loss32, k=k, rel_floor=rel_floor, abs_floor=loss_floor,
+                           what=f"loss beta={beta}")
     assert_close_to_oracle(dzs, dzs64, dzs32, k=k, rel_floor=rel_floor, what=f"dzs beta={beta}")
 
 

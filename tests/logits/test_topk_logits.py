@@ -43,7 +43,7 @@ def values_and_grad(fn, zs, ids, lps, upstream, **options):
     return loss.detach().cpu(), dzs.cpu()
 
 
-def check(zs, ids, lps, *, k=2.0, rel_floor=1e-6, device="cpu", **options):
+def check(zs, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", **options):
     """nitrobrew on `device` vs the float64 oracle, within k x the error of the reference in the
     precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors."""
     reduction = options.get("reduction", "mean")
@@ -61,7 +61,7 @@ def check(zs, ids, lps, *, k=2.0, rel_floor=1e-6, device="cpu", **options):
     loss32, dzs32 = values_and_grad(ref, zs.to(same), ids, lps.to(same), upstream, **options)
     assert loss.dtype == same and dzs.dtype == zs.dtype
     what = f"normalize={options.get('normalize', 'full')}"
-    assert_close_to_oracle(loss, loss64, loss32, k=k, rel_floor=rel_floor, what=f"loss {what}")
+    assert_close_to_oracle(loss, loss64, loss32, k=k, rel_floor=rel_floor, abs_floor=loss_floor, what=f"loss {what}")
     assert_close_to_oracle(dzs, dzs64, dzs32, k=k, rel_floor=rel_floor, what=f"dzs {what}")
 
 

@@ -5,7 +5,8 @@
 # Steps:
 #   build        pip install -e . for sm_90a, as a development build (NITROBREW_DEV_KNOBS=1: the tests
 #                of the switches only such a build has run too; docs/development.md)
-#   test         the CUDA tests (pytest -k cuda and the CUDA-only files)
+#   test         the CUDA tests (pytest -k cuda and the CUDA-only files; the randomized ones with
+#                NITROBREW_RANDOM_CASES=64 cases per family unless set; the soak test)
 #   test_sm80    the same with the sm_80 (mma.sync) kernels forced on this GPU
 #   sanitize     every family's sanitizer cases (pytest -m sanitize) under compute-sanitizer memcheck
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
@@ -18,6 +19,8 @@ mkdir -p "$OUT"
 steps=${*:-build test test_sm80 sanitize}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
 export NITROBREW_DEV_KNOBS=${NITROBREW_DEV_KNOBS:-1}
+# The randomized tests' cases per family and device (CI's CPU run: 8).
+export NITROBREW_RANDOM_CASES=${NITROBREW_RANDOM_CASES:-64}
 families=${FAMILIES:-fused_linear topk_linear logits attention_kl}
 status=0
 summary=()
@@ -54,7 +57,7 @@ for step in $steps; do
     # instead of reaching Python. NITROBREW_BUILD_CXX overrides.
     build) run build env CXX="${NITROBREW_BUILD_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}" \
              python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
-    test) run test python3 -m pytest tests -q -x -k cuda -p no:cacheprovider ;;
+    test) run test python3 -m pytest tests -q -x -k "cuda or soak" -p no:cacheprovider ;;
     # The sm_80 (mma.sync) kernels, forced on this GPU (the *_cuda.py files cover both themselves).
     test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q -x -k "cuda and not fused_linear_cuda" \
                  -p no:cacheprovider ;;
