@@ -164,6 +164,7 @@ def test_no_buffer_of_queries_times_keys_is_allocated():
         (dict(attention_mask=torch.ones(2, 7)), TypeError, "attention_mask must be a bool or integer tensor"),
         (dict(attention_mask=torch.ones(2, 6, dtype=torch.bool)), ValueError, "attention_mask must be \\[B, N\\] = \\[2, 7\\]"),
         (dict(query_mask=torch.ones(2, 7, dtype=torch.bool)), ValueError, "query_mask must be \\[B, N\\] = \\[2, 5\\]"),
+        (dict(query_mask=torch.ones(2, 5, dtype=torch.bool, device="meta")), ValueError, "query_mask must be on cpu"),
         (dict(q_s=torch.randn(2, 5, 4, 0), k_s=torch.randn(2, 7, 2, 0)), ValueError, "q_s must have a head dim D >= 1"),
         (dict(causal=1), TypeError, "causal and deterministic must be bools"),
     ],
