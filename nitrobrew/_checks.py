@@ -141,26 +141,36 @@ def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Siz
     k = teacher_ids.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
-    topk_ids_in_range(teacher_ids, vocab)
+    ids_in_range(teacher_ids, vocab, "teacher_ids")
 
 
-def topk_ids_in_range(teacher_ids: Tensor, vocab: int) -> None:
-    """Every id in [0, vocab), or an IndexError naming the first offending one and its position.
+def host_checks_possible(t: Tensor) -> bool:
+    """Whether a check may read `t` on the host: not for meta tensors, not while torch.compile traces
+    and not while a CUDA graph captures. Where it may not, the ops' own guards apply (docs/design.md,
+    "Bad input"): the CPU ops raise; the CUDA kernels give the affected rows a NaN loss and gradient."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def ids_in_range(ids: Tensor, vocab: int, name: str, ignore_index: int | None = None) -> None:
+    """Every entry of `ids` in [0, vocab) (or equal to ignore_index), or an IndexError naming the first
+    offending entry, its position and how many there are.
 
     Reads one flag on the host: on CUDA a synchronization, the price of an error the training job can
-    catch (a device-side assertion would end the process's CUDA context). Skipped while torch.compile
-    traces and while a CUDA graph captures, where no host read is possible: there the op's own check
-    applies (the CPU raises; CUDA kernels stop with a device-side assertion)."""
-    if teacher_ids.numel() == 0 or teacher_ids.device.type == "meta" or torch.compiler.is_compiling():
+    catch (a device-side assertion would end the process's CUDA context). Skipped where no host read
+    is possible (host_checks_possible)."""
+    if ids.numel() == 0 or not host_checks_possible(ids):
         return
-    if teacher_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    outside = (teacher_ids < 0) | (teacher_ids >= vocab)
+    outside = (ids < 0) | (ids >= vocab)
+    if ignore_index is not None:
+        outside &= ids != ignore_index
     if bool(outside.any()):
         position = tuple(int(i) for i in outside.nonzero()[0])
-        value = int(teacher_ids[position])
-        raise IndexError(f"teacher_ids{list(position)} = {value} is outside [0, V = {vocab}); "
-                         f"{int(outside.sum())} of {teacher_ids.numel()} ids are")
+        value = int(ids[position])
+        allowed = "" if ignore_index is None else f" and is not ignore_index ({ignore_index})"
+        raise IndexError(f"{name}{list(position)} = {value} is outside [0, V = {vocab}){allowed}; "
+                         f"{int(outside.sum())} of {ids.numel()} entries are")
 
 
 def autocast_inputs(*tensors):

@@ -128,6 +128,8 @@ def _fused_linear_loss(
     softcap_t = _checks.optional_positive_number(softcap_t, "softcap_t")
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
+    if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
+        _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
 
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss, _ = ops.fused_linear_fwd(

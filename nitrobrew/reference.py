@@ -1,6 +1,12 @@
 """Reference implementations: the definitions of nitrobrew's losses written as plain
 PyTorch that materializes the [tokens x vocab] logits. For tests and benchmarks only;
-evaluate them in float64 to get an oracle."""
+evaluate them in float64 to get an oracle.
+
+They also define the non-finite rule every op follows (docs/design.md, "Non-finite inputs"):
+-inf logits or log-probabilities are probability 0 and add 0 (0 log 0 = 0); NaN, and +inf in a
+logit or log-probability, make the row's loss NaN; so does a distribution with no entry above
+-inf (a logit row all -inf; normalize="topk" over K log-probabilities all -inf). Masked rows
+(label == ignore_index) are not read: loss 0, gradient 0."""
 
 from __future__ import annotations
 
@@ -12,6 +18,18 @@ from torch import Tensor
 
 def _softcap(z: Tensor, cap: float | None) -> Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
+
+
+def _nan_where(undefined: Tensor, loss: Tensor) -> Tensor:
+    return torch.where(undefined, torch.full_like(loss, math.nan), loss)
+
+
+def _unread_masked_rows(z: Tensor, labels: Tensor | None, ignore_index: int) -> Tensor:
+    """Masked rows replaced by zeros: the ops never read them, so their content (even NaN) reaches
+    neither the loss nor autograd."""
+    if labels is None:
+        return z
+    return torch.where((labels != ignore_index).unsqueeze(-1), z, torch.zeros_like(z))
 
 
 def _reduce(loss: Tensor, labels: Tensor | None, ignore_index: int, reduction: str) -> Tensor:
@@ -90,10 +108,14 @@ def logits(
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
     """What nitrobrew.logits.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute. Entries of
-    -inf have probability 0 and contribute 0 (0 log 0 = 0), in the value and in autograd."""
+    -inf have probability 0 and contribute 0 (0 log 0 = 0), in the value and in autograd; NaN or +inf
+    entries, or a side with no entry above -inf, make the row NaN."""
     if dtype is not None:
         zs, zt = zs.to(dtype), zt.to(dtype)
-    finite_s, finite_t = torch.isfinite(zs), torch.isfinite(zt)
+    zs, zt = _unread_masked_rows(zs, labels, ignore_index), _unread_masked_rows(zt, labels, ignore_index)
+    # "finite" below means "not -inf": NaN and +inf stay in and turn the row's log_softmax NaN.
+    finite_s, finite_t = zs != -math.inf, zt != -math.inf
+    undefined = ~(zs > -math.inf).any(-1) | ~(zt > -math.inf).any(-1)
     log_p = torch.log_softmax(zs / temperature, dim=-1)
     log_q = torch.log_softmax(zt / temperature, dim=-1)
     # -inf log-probabilities replaced where their terms are dropped, so autograd never meets -inf - -inf.
@@ -116,7 +138,7 @@ def logits(
         kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
         kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
         loss = beta * kl_q_m + (1.0 - beta) * kl_p_m
-    return _reduce(loss, labels, ignore_index, reduction)
+    return _reduce(_nan_where(undefined, loss), labels, ignore_index, reduction)
 
 
 def topk_logits(
@@ -132,9 +154,15 @@ def topk_logits(
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
     """What nitrobrew.logits.topk_kl computes: sum_k q_k (log q_k - log p_{id_k}), teacher
-    log-probabilities of -inf contributing 0."""
+    log-probabilities of -inf contributing 0; a NaN or +inf one makes the row NaN, and so does
+    normalize="topk" over K log-probabilities that are all -inf."""
     if dtype is not None:
         zs, teacher_logprobs = zs.to(dtype), teacher_logprobs.to(dtype)
+    zs = _unread_masked_rows(zs, labels, ignore_index)
+    teacher_logprobs = _unread_masked_rows(teacher_logprobs, labels, ignore_index)
+    undefined = (teacher_logprobs.isnan() | (teacher_logprobs == math.inf)).any(-1)
+    if normalize == "topk":
+        undefined |= ~(teacher_logprobs > -math.inf).any(-1)
     s = zs / temperature
     if normalize == "full":
         log_p = torch.log_softmax(s, dim=-1).gather(-1, teacher_ids)
@@ -142,10 +170,10 @@ def topk_logits(
     else:
         log_p = torch.log_softmax(s.gather(-1, teacher_ids), dim=-1)
         log_q = torch.log_softmax(teacher_logprobs, dim=-1)
-    kept = torch.isfinite(teacher_logprobs)
+    kept = teacher_logprobs != -math.inf
     safe_q = torch.where(kept, log_q, torch.zeros_like(log_q))
     loss = torch.where(kept, safe_q.exp() * (safe_q - log_p), torch.zeros_like(log_p)).sum(-1)
-    return _reduce(loss, labels, ignore_index, reduction)
+    return _reduce(_nan_where(undefined, loss), labels, ignore_index, reduction)
 
 
 def topk_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,

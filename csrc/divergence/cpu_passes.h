@@ -13,6 +13,7 @@
 
 #include "../engine/cpu/tile_walk.h"
 #include "distill_params.h"
+#include "nonfinite.h"
 
 namespace nitrobrew {
 namespace cpu {
@@ -69,9 +70,9 @@ struct OnlineKLPass {
     const acc_t* zw = weight_by_student ? zs : zt;
     const acc_t* zo = weight_by_student ? zt : zs;
     acc_t max_w = zw[0], max_o = zo[0];
-    for (int64_t v = 1; v < cols; ++v) {
-      max_w = std::max(max_w, zw[v]);
-      max_o = std::max(max_o, zo[v]);
+    for (int64_t v = 1; v < cols; ++v) {  // a NaN is kept: it makes the row NaN (nonfinite.h)
+      max_w = nan_max(max_w, zw[v]);
+      max_o = nan_max(max_o, zo[v]);
     }
     // Entries of -inf (masked vocabulary, logit-level ops) have probability 0 and add nothing:
     // a tile whose entries are all -inf on one side leaves that side's state empty, and no term
@@ -169,10 +170,15 @@ std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::op
   const bool weight_by_student = p.kind == Divergence::kReverseKL;
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
-    TORCH_CHECK(kl_pass.kl[n].w.m != kNegInf<acc_t> &&
-                    kl_pass.kl[n].o.m != kNegInf<acc_t>,
-                "row ", n, " has no finite logit in the student's or the teacher's distribution");
-    loss_[n] = store_kl_row(finish_kl_row(kl_pass.kl[n], weight_by_student), stats_ + n * kNumRowStats);
+    acc_t* stats = stats_ + n * kNumRowStats;
+    if (kl_pass.kl[n].w.m == kNegInf<acc_t> || kl_pass.kl[n].o.m == kNegInf<acc_t>) {
+      // No entry above -inf on one side: an undefined distribution, NaN loss and gradient (as the
+      // CUDA kernels give; nonfinite.h).
+      std::fill(stats, stats + kNumRowStats, kNaN<acc_t>);
+      loss_[n] = kNaN<acc_t>;
+      continue;
+    }
+    loss_[n] = store_kl_row(finish_kl_row(kl_pass.kl[n], weight_by_student), stats);
   }
   if (p.kind == Divergence::kJSD) {
     MixturePass<acc_t> mix(p, valid.data(), stats_);
@@ -228,6 +234,10 @@ struct GradientPass {
     const acc_t* row = stats + n * kNumRowStats;
     const LogNormalizer<acc_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
     const LogNormalizer<acc_t> norm_ce{row[kMaxCE], row[kLogSumCE]};
+    if (norm_s.max != norm_s.max || norm_t.max != norm_t.max) {  // an undefined row: NaN throughout
+      std::fill(zs, zs + cols, kNaN<acc_t>);
+      return;
+    }
     // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never the
     // 0 * inf that the reverse-KL and JSD formulas would form.
     const bool zero_at_masked = div.kind != Divergence::kForwardKL;

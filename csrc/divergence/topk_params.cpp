@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 #include "distill_params.h"
 
@@ -44,6 +45,12 @@ TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int6
   p.hidden = 0;
   p.chunk_v = 0;
   return p;
+}
+
+GuardedTopK guard_topk_ids(const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs, int64_t vocab) {
+  const at::Tensor outside = (teacher_ids < 0).logical_or_(teacher_ids >= vocab);
+  return {teacher_ids.masked_fill(outside, 0),
+          teacher_logprobs.masked_fill(outside, std::numeric_limits<double>::quiet_NaN())};
 }
 
 void check_topk_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats, int64_t columns,

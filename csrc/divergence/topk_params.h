@@ -35,6 +35,17 @@ TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int6
                                const c10::optional<at::Tensor>& labels, int64_t ignore_index, double temperature,
                                bool renormalize, bool check_ids_on_host);
 
+// The teacher's ids and log-probabilities as the CUDA kernels take them: each id outside [0, vocab)
+// replaced by 0 and its log-probability by NaN, so that its row's loss and gradient come out NaN
+// (the non-finite rule, nonfinite.h) and no kernel reads outside the row. Elementwise on the device,
+// no synchronization: eager calls have raised an IndexError in Python before this; it serves
+// torch.compile, CUDA-graph capture and direct calls of the ops, where a device-side assertion
+// would end the process's CUDA context.
+struct GuardedTopK {
+  at::Tensor ids, logprobs;
+};
+GuardedTopK guard_topk_ids(const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs, int64_t vocab);
+
 // grad_loss [N] and the forward's row statistics [N, columns] of a top-K backward, on `device`.
 void check_topk_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats, int64_t columns,
                                 const TopKParams& p, const at::Device& device);

@@ -11,6 +11,7 @@
 
 #include <tuple>
 
+#include "../divergence/nonfinite.h"
 #include "../engine/cuda/cuda_types.h"
 #include "fused_linear_args.cuh"
 #include "fused_linear_launch.h"
@@ -43,8 +44,11 @@ __global__ void merge_kl_kernel(FusedLinearArgs<T> a, int splits, const float* _
   float value = store_kl_row(finish_kl_row(st, a.div.kind == Divergence::kReverseKL), row);
   if (a.ce_weight != 0.f) {
     const int64_t y = a.labels[n];
-    CUDA_KERNEL_ASSERT(y >= 0 && y < a.vocab_size && "labels must be in [0, vocab_size) when ce_weight > 0");
-    const LogNormalizer<float> norm_ce = log_normalizer(ce);
+    LogNormalizer<float> norm_ce = log_normalizer(ce);
+    // A label outside [0, V) (eager calls raise in Python first): the cross-entropy is undefined,
+    // NaN here and, through the NaN log-normalizer, in the row's gradient (nonfinite.h); no
+    // device-side assertion.
+    if (y < 0 || y >= a.vocab_size) norm_ce.max = kNaN<float>;
     row[kMaxCE] = norm_ce.max;
     row[kLogSumCE] = norm_ce.log_sum;
     value -= a.ce_weight * log_prob(label_logit[n], norm_ce);
@@ -83,23 +87,20 @@ void launch_forward(const FusedLinearPasses& passes, const at::Tensor& xs, const
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
   passes.kl_pass(partial, label_logit);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "nitrobrew_merge_splits", [&] {
-    using T = cuda_type_t<scalar_t>;
-    if constexpr (!std::is_same_v<T, double>) {
-      const FusedLinearArgs<T> a = make_args<T>(xs, xt, ws, wt, labels, p);
-      merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
-                                                         label_logit.data_ptr<float>(), loss.data_ptr<float>(),
-                                                         row_stats.data_ptr<float>());
+  NITROBREW_DISPATCH_CUDA_FLOATS(xs.scalar_type(), "nitrobrew_merge_splits",
+    const FusedLinearArgs<T> a = make_args<T>(xs, xt, ws, wt, labels, p);
+    merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
+                                                       label_logit.data_ptr<float>(), loss.data_ptr<float>(),
+                                                       row_stats.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (a.div.kind == Divergence::kJSD) {
+      passes.mixture_pass(row_stats, partial);
+      finish_jsd_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
+                                                           label_logit.data_ptr<float>(), loss.data_ptr<float>(),
+                                                           row_stats.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (a.div.kind == Divergence::kJSD) {
-        passes.mixture_pass(row_stats, partial);
-        finish_jsd_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
-                                                             label_logit.data_ptr<float>(), loss.data_ptr<float>(),
-                                                             row_stats.data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
     }
-  });
+  );
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(

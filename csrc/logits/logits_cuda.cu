@@ -5,9 +5,9 @@
 //   forward:  KL pass (one-pass KL state -> loss and the row statistics), then for JSD the
 //             mixture pass (sums of q (log q - log M) and p (log p - log M));
 //   backward: dLoss/dzs from the saved statistics, written in the logits' dtype.
-// Entries of -inf (masked vocabulary) contribute 0, as on the CPU; a row with no finite logit on
-// one side gets NaN loss and gradients here (the CPU op raises: a check here would need a host
-// synchronization).
+// Non-finite entries follow nonfinite.h, as on the CPU: -inf (masked vocabulary) contributes 0; a
+// NaN or +inf makes the row's loss and gradient NaN (the running maxima keep a NaN), and so does a
+// row with no entry above -inf on one side.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,6 +18,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../divergence/nonfinite.h"
 #include "../divergence/row_stats.h"
 #include "logits_params.h"
 #include "../engine/cuda/cuda_types.h"
@@ -84,16 +85,17 @@ struct KLAccumulator {
     acc_t max_w = kNegInf<acc_t>, max_o = kNegInf<acc_t>;
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
-      max_w = max(max_w, w[k]);
-      max_o = max(max_o, o[k]);
+      max_w = nan_max(max_w, w[k]);
+      max_o = nan_max(max_o, o[k]);
     }
-    if (max_w > st.w.m) {
+    // A NaN maximum passes these tests too and turns the sums NaN for good (NaN * 0 is NaN).
+    if (!(max_w <= st.w.m)) {
       const acc_t r = rescale(st.w.m, max_w);  // 0 from an empty state
       st.w.l *= r;
       st.a *= r;
       st.w.m = max_w;
     }
-    if (max_o > st.o.m) {
+    if (!(max_o <= st.o.m)) {
       st.o.l *= rescale(st.o.m, max_o);
       st.o.m = max_o;
     }
@@ -283,6 +285,10 @@ __global__ void __launch_bounds__(kRowThreads)
     return;
   }
   const acc_t* stats = a.stats + n * kNumRowStats;
+  if (stats[kMaxS] != stats[kMaxS] || stats[kMaxT] != stats[kMaxT]) {  // an undefined row: NaN throughout
+    for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(kNaN<acc_t>);
+    return;
+  }
   GradWriter<T, acc_t> w{a.div,           {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]},
                          stats[kGradCenter], grad_loss[n] * a.inv_t, out};
   for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, w);

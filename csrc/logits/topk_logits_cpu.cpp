@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../divergence/nonfinite.h"
 #include "../divergence/online_state.h"
 #include "logits_params.h"
 #include "../engine/cpu/tile_walk.h"
@@ -26,7 +27,7 @@ namespace cpu {
 namespace {
 
 // A row's log-normalizers: the student's (over V, or over its K ids) and the teacher's kept mass
-// (max -inf when the teacher kept no mass: the row then contributes nothing).
+// (max -inf when the teacher kept no mass; NaN when it holds a NaN or +inf: nonfinite.h).
 template <typename acc_t>
 struct TopKNorms {
   LogNormalizer<acc_t> student, teacher;
@@ -45,8 +46,9 @@ TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const int64_t* ids, const acc
   const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
   auto s = [&](int64_t v) { return scale_logit(static_cast<acc_t>(z[v]), inv_t); };
   TopKNorms<acc_t> r;
-  acc_t lp_max = kNegInf<acc_t>;
-  for (int64_t k = 0; k < p.k; ++k) lp_max = std::max(lp_max, lp[k]);
+  acc_t lp_key = kNegInf<acc_t>;
+  for (int64_t k = 0; k < p.k; ++k) lp_key = std::max(lp_key, teacher_max_key(lp[k]));
+  const acc_t lp_max = teacher_row_max(lp_key);
   acc_t mass = 0;  // relative to lp_max
   if (lp_max != kNegInf<acc_t>) {
     for (int64_t k = 0; k < p.k; ++k) mass += exp_(lp[k] - lp_max);
@@ -54,12 +56,12 @@ TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const int64_t* ids, const acc
   r.teacher = {lp_max, log_(mass)};
   acc_t m = kNegInf<acc_t>;
   if (p.renormalize) {
-    for (int64_t k = 0; k < p.k; ++k) m = std::max(m, s(ids[k]));
+    for (int64_t k = 0; k < p.k; ++k) m = nan_max(m, s(ids[k]));
     acc_t sum = 0;
     for (int64_t k = 0; k < p.k; ++k) sum += m == kNegInf<acc_t> ? acc_t(0) : exp_(s(ids[k]) - m);
     r.student = {m, log_(sum)};
   } else {
-    for (int64_t v = 0; v < p.vocab_size; ++v) m = std::max(m, s(v));
+    for (int64_t v = 0; v < p.vocab_size; ++v) m = nan_max(m, s(v));
     const acc_t sum = lane_sums<acc_t, 1>(p.vocab_size, [&](int64_t v) {
       return std::array<acc_t, 1>{m == kNegInf<acc_t> ? acc_t(0) : exp_(s(v) - m)};
     })[0];
@@ -116,7 +118,11 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
       row[kTopKLogSum] = norms.student.log_sum;
       row[kTopKTeacherMax] = norms.teacher.max;
       row[kTopKTeacherLogSum] = norms.teacher.log_sum;
-      if (norms.teacher.max == kNegInf<acc_t>) continue;
+      if (topk_row_undefined(norms.teacher.max, p.renormalize)) {
+        loss_[n] = kNaN<acc_t>;
+        continue;
+      }
+      if (norms.teacher.max == kNegInf<acc_t>) continue;  // no mass kept: loss 0
       acc_t total = 0;
       for (int64_t k = 0; k < p.k; ++k) {
         if (lpn[k] == kNegInf<acc_t>) continue;  // q_k = 0: 0 log 0 = 0
@@ -151,7 +157,13 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
     std::vector<acc_t> row_grad(p.vocab_size);  // the row's gradient, rounded to the dtype once
     for (int64_t n = begin; n < end; ++n) {
       const acc_t* row = stats + n * (kTopKLogitsColumn + p.k);
-      if (!valid[n] || row[kTopKTeacherMax] == kNegInf<acc_t>) continue;  // its gradient stays 0
+      if (!valid[n]) continue;  // its gradient stays 0
+      scalar_t* dn = out + n * p.vocab_size;
+      if (topk_row_undefined(row[kTopKTeacherMax], p.renormalize)) {
+        std::fill(dn, dn + p.vocab_size, static_cast<scalar_t>(kNaN<acc_t>));
+        continue;
+      }
+      if (row[kTopKTeacherMax] == kNegInf<acc_t>) continue;  // no mass kept: gradient 0
       const TopKNorms<acc_t> norms{{row[kTopKMax], row[kTopKLogSum]}, {row[kTopKTeacherMax], row[kTopKTeacherLogSum]}};
       const Row<scalar_t> zn{z + n * zs.stride(0), zs.stride(1)};
       const int64_t* idn = id + n * p.k;
@@ -171,7 +183,6 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
           if (lpn[k] != kNegInf<acc_t>) row_grad[idn[k]] -= coef * exp_(lpn[k]);
         }
       }
-      scalar_t* dn = out + n * p.vocab_size;
       for (int64_t v = 0; v < p.vocab_size; ++v) dn[v] = static_cast<scalar_t>(row_grad[v]);
     }
   });

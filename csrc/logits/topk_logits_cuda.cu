@@ -18,8 +18,9 @@
 // The teacher's log-probabilities are read as float32 or float64, as given (other dtypes are
 // widened to float32 first); the loss is written, and its gradient read, in the loss's dtype: no
 // conversion kernels around the two launches.
-// Ids outside [0, V) stop the kernel with a device-side assertion, as torch.gather's do (a check
-// on the host would synchronize).
+// Non-finite inputs follow nonfinite.h: a teacher log-probability of NaN or +inf, or normalize="topk"
+// over K log-probabilities of -inf, gives the row a NaN loss and a NaN gradient row. Ids outside
+// [0, V) arrive here as id 0 with a NaN log-probability (guard_topk_ids): no device-side assertion.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,6 +32,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../divergence/nonfinite.h"
 #include "../divergence/online_state.h"
 #include "logits_params.h"
 #include "../engine/cuda/cuda_types.h"
@@ -80,22 +82,18 @@ struct TopKArgs {
     using scale_t = ScaleType<T>;
     return scale_logit(static_cast<scale_t>(z), static_cast<scale_t>(inv_t));
   }
-  __device__ __forceinline__ int64_t id(int64_t n, int64_t j) const {
-    const int64_t v = ids[n * k + j];
-    CUDA_KERNEL_ASSERT(v >= 0 && v < vocab && "teacher_ids must be in [0, V)");
-    return v;
-  }
+  __device__ __forceinline__ int64_t id(int64_t n, int64_t j) const { return ids[n * k + j]; }  // in [0, V)
 };
 
-// Block-wide maximum; valid in every thread.
+// Block-wide maximum (NaN if any thread holds one); valid in every thread.
 __device__ double block_max(double x) {
   __shared__ double scratch[kRowThreads / 32];
   __shared__ double result;
-  for (int mask = 16; mask >= 1; mask >>= 1) x = fmax(x, shfl(x, mask));
+  for (int mask = 16; mask >= 1; mask >>= 1) x = nan_max(x, shfl(x, mask));
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kRowThreads / 32; ++w) x = fmax(x, scratch[w]);
+    for (int w = 1; w < kRowThreads / 32; ++w) x = nan_max(x, scratch[w]);
     result = x;
   }
   __syncthreads();
@@ -246,9 +244,9 @@ struct NormAccumulator {
   __device__ __forceinline__ void chunk(const scale_t (&s)[kN], int64_t) {
     scale_t chunk_max = s[0];
 #pragma unroll
-    for (int k = 1; k < kN; ++k) chunk_max = s[k] > chunk_max ? s[k] : chunk_max;
+    for (int k = 1; k < kN; ++k) chunk_max = nan_max(s[k], chunk_max);
     if (chunk_max == kNegInf<scale_t>) return;  // only masked entries
-    if (chunk_max > m) {  // rare after the row's first chunks
+    if (!(chunk_max <= m)) {  // rare after the row's first chunks; a NaN makes l NaN from here on
       l *= m == kNegInf<scale_t> ? 0.0 : exp(static_cast<double>(m) - chunk_max);
       m = chunk_max;
     }
@@ -283,9 +281,9 @@ template <typename T>
 __device__ void row_norms(const TopKArgs<T>& a, int64_t n, const double* gathered, LogNormalizer<double>& student,
                           LogNormalizer<double>& teacher) {
   const int64_t lp0 = n * a.k;
-  double lp_max = kNegInf<double>;
-  for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) lp_max = fmax(lp_max, a.lps[lp0 + j]);
-  lp_max = block_max(lp_max);
+  double lp_key = kNegInf<double>;
+  for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) lp_key = fmax(lp_key, teacher_max_key(a.lps[lp0 + j]));
+  const double lp_max = teacher_row_max(block_max(lp_key));
   double mass = 0;
   if (lp_max != kNegInf<double>) {
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) mass += exp(a.lps[lp0 + j] - lp_max);
@@ -293,7 +291,7 @@ __device__ void row_norms(const TopKArgs<T>& a, int64_t n, const double* gathere
   teacher = block_normalizer(lp_max, mass);
   if (a.renormalize) {
     double m = kNegInf<double>;
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) m = fmax(m, a.s(gathered[j]));
+    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) m = nan_max(m, a.s(gathered[j]));
     m = block_max(m);
     double sum = 0;
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) sum += m == kNegInf<double> ? 0.0 : exp(a.s(gathered[j]) - m);
@@ -335,7 +333,8 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   row_norms(a, n, gathered, student, teacher);
   const int64_t lp0 = n * a.k;
   double total = 0, unused = 0;
-  if (teacher.max != kNegInf<double>) {
+  const bool undefined = topk_row_undefined(teacher.max, a.renormalize);  // uniform in the block
+  if (teacher.max != kNegInf<double> && !undefined) {
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) {
       const double lp = a.lps[lp0 + j];
       if (lp == kNegInf<double>) continue;  // q = 0: 0 log 0 = 0
@@ -349,7 +348,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   row[kTopKLogSum] = student.log_sum;
   row[kTopKTeacherMax] = teacher.max;
   row[kTopKTeacherLogSum] = teacher.log_sum;
-  loss[n] = static_cast<LossType<T>>(total);
+  loss[n] = static_cast<LossType<T>>(undefined ? kNaN<double> : total);
 }
 
 // ----------------------------------------------------------------------- backward -----
@@ -429,6 +428,10 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   const double* row = stats + n * (kTopKLogitsColumn + a.k);
   const double* gathered = row + kTopKLogitsColumn;  // the forward's logits at the ids
   T* out = dzs + n * a.vocab;
+  if (a.valid(n) && topk_row_undefined(row[kTopKTeacherMax], a.renormalize)) {  // uniform in the block
+    for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(kNaN<double>);
+    return;
+  }
   const bool active = a.valid(n) && row[kTopKTeacherMax] != kNegInf<double>;  // uniform in the block
   const RowGrad grad{static_cast<double>(grad_loss[n]) * a.inv_t,
                      active ? exp(row[kTopKTeacherMax] + row[kTopKTeacherLogSum]) : 0.0,
@@ -523,7 +526,8 @@ std::tuple<at::Tensor, at::Tensor> topk_logits_fwd_cuda(const at::Tensor& zs, co
                                               renormalize, /*check_ids_on_host=*/false);
   TORCH_CHECK(zs.is_cuda() && zs.size(0) < (int64_t(1) << 31), "zs must be a CUDA tensor of fewer than 2^31 rows");
   const c10::cuda::CUDAGuard guard(zs.device());
-  const at::Tensor ids = teacher_ids.contiguous(), lps = kernel_logprobs(teacher_logprobs);
+  const GuardedTopK teacher = guard_topk_ids(teacher_ids, teacher_logprobs, p.vocab_size);
+  const at::Tensor ids = teacher.ids.contiguous(), lps = kernel_logprobs(teacher.logprobs);
   const c10::optional<at::Tensor> labels =
       labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
   // The loss in the inputs' accumulation dtype (float32, float64 for float64), as on the CPU.
@@ -548,7 +552,8 @@ at::Tensor topk_logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& z
                                               renormalize, /*check_ids_on_host=*/false);
   check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, zs.device());
   const c10::cuda::CUDAGuard guard(zs.device());
-  const at::Tensor ids = teacher_ids.contiguous(), lps = kernel_logprobs(teacher_logprobs);
+  const GuardedTopK teacher = guard_topk_ids(teacher_ids, teacher_logprobs, p.vocab_size);
+  const at::Tensor ids = teacher.ids.contiguous(), lps = kernel_logprobs(teacher.logprobs);
   const auto loss_dtype = zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor g = grad_loss.to(loss_dtype).contiguous(), stats = row_stats.to(at::kDouble).contiguous();
   const c10::optional<at::Tensor> labels =

@@ -11,8 +11,8 @@
 //             entries, and cuBLAS forms dxs and dws from the chunk. "topk" has only the K ids'
 //             terms: sparse_dxs_kernel gathers K rows of ws per token, sparse_dws_kernel sums the
 //             xs rows of each id (ids sorted into runs).
-// Ids outside [0, V) stop the gather (or check_sorted_ids_kernel) with a device-side assertion (a
-// host check would synchronize).
+// Ids outside [0, V) arrive as id 0 with a NaN log-probability (guard_topk_ids): their rows come out
+// NaN (nonfinite.h), with no device-side assertion and no read outside ws.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -40,15 +40,14 @@ constexpr int kGatherThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kGatherThreads)
     gather_logits_kernel(const T* __restrict__ xs, int64_t ld_x, const T* __restrict__ ws, int64_t ld_w,
-                         const int64_t* __restrict__ ids, int64_t k, int64_t hidden, int64_t vocab, bool vectorized,
+                         const int64_t* __restrict__ ids, int64_t k, int64_t hidden, bool vectorized,
                          float* __restrict__ out) {
   constexpr int kPerLoad = 16 / sizeof(T);
   const int64_t n = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* x = xs + n * ld_x;
   for (int64_t j = warp; j < k; j += kGatherThreads / 32) {
-    const int64_t id = ids[n * k + j];
-    CUDA_KERNEL_ASSERT(id >= 0 && id < vocab && "teacher_ids must be in [0, V)");
+    const int64_t id = ids[n * k + j];  // in [0, V)
     const T* w = ws + id * ld_w;
     float sum = 0.f;
     if (vectorized) {
@@ -66,14 +65,6 @@ __global__ void __launch_bounds__(kGatherThreads)
     for (int mask = 16; mask >= 1; mask >>= 1) sum += shfl(sum, mask);
     if (lane == 0) out[n * k + j] = sum;
   }
-}
-
-// The check of the gather for the picked logits: each row's smallest and largest id.
-__global__ void check_sorted_ids_kernel(const int64_t* __restrict__ sorted, int64_t n_rows, int64_t k,
-                                        int64_t vocab) {
-  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= n_rows) return;
-  CUDA_KERNEL_ASSERT(sorted[n * k] >= 0 && sorted[n * k + k - 1] < vocab && "teacher_ids must be in [0, V)");
 }
 
 // Merges each row's vocabulary splits (in split order: deterministic) into its log-normalizer
@@ -199,14 +190,16 @@ bool gather_vectorizable(const at::Tensor& t) {
 struct Inputs {
   at::Tensor xs, ws;
   c10::optional<at::Tensor> labels;
-  at::Tensor ids;
+  at::Tensor ids, logprobs;  // ids in [0, V) (guard_topk_ids)
 };
 
-Inputs prepare(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& ids,
-               const c10::optional<at::Tensor>& labels) {
+Inputs prepare(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& ids, const at::Tensor& logprobs,
+               const c10::optional<at::Tensor>& labels, const TopKParams& p) {
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
+  const GuardedTopK teacher = guard_topk_ids(ids, logprobs, p.vocab_size);
   return {unit_stride_rows(xs), unit_stride_rows(ws),
-          labels.has_value() ? c10::optional<at::Tensor>(labels->contiguous()) : c10::nullopt, ids.contiguous()};
+          labels.has_value() ? c10::optional<at::Tensor>(labels->contiguous()) : c10::nullopt,
+          teacher.ids.contiguous(), teacher.logprobs};
 }
 
 at::Tensor gather_logits(const Inputs& in, const TopKParams& p) {
@@ -214,15 +207,12 @@ at::Tensor gather_logits(const Inputs& in, const TopKParams& p) {
   if (p.num_rows == 0) return z;
   const bool vectorized = gather_vectorizable(in.xs) && gather_vectorizable(in.ws);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.xs.scalar_type(), "nitrobrew_gather_logits", [&] {
-    using T = cuda_type_t<scalar_t>;
-    if constexpr (!std::is_same_v<T, double>) {
-      gather_logits_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
-          reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), reinterpret_cast<const T*>(in.ws.data_ptr()),
-          in.ws.stride(0), in.ids.data_ptr<int64_t>(), p.k, p.hidden, p.vocab_size, vectorized, z.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  });
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_gather_logits",
+    gather_logits_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
+        reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), reinterpret_cast<const T*>(in.ws.data_ptr()),
+        in.ws.stride(0), in.ids.data_ptr<int64_t>(), p.k, p.hidden, vectorized, z.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  );
   return z;
 }
 
@@ -239,8 +229,6 @@ std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const Input
   const auto [sorted, order] = at::sort(in.ids, /*stable=*/c10::optional<bool>(true), /*dim=*/1, /*descending=*/false);
   const at::Tensor sorted_ids = sorted.contiguous(), id_order = order.contiguous();
   const int blocks = static_cast<int>((p.num_rows + 255) / 256);
-  check_sorted_ids_kernel<<<blocks, 256, 0, stream>>>(sorted_ids.data_ptr<int64_t>(), p.num_rows, p.k, p.vocab_size);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   passes.student_norm_pass(partial, sorted_ids, id_order, z);
   merge_norm_kernel<<<blocks, 256, 0, stream>>>(partial.data_ptr<double>(), passes.forward_splits(), p.num_rows,
                                                 in.labels.has_value() ? in.labels->data_ptr<int64_t>() : nullptr,
@@ -261,25 +249,22 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKG
   if (compute_dws) dws = at::zeros(in.ws.sizes(), in.ws.options());
   const int64_t entries = p.num_rows * p.k;
   if (p.num_rows == 0) return {dxs, dws};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.xs.scalar_type(), "nitrobrew_topk_sparse_grads", [&] {
-    using T = cuda_type_t<scalar_t>;
-    if constexpr (!std::is_same_v<T, double>) {
-      if (compute_dxs) {
-        sparse_dxs_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
-            reinterpret_cast<const T*>(in.ws.data_ptr()), in.ws.stride(0), write_ids.data_ptr<int64_t>(),
-            sparse.coef.data_ptr<float>(), p.k, p.hidden, vectorized, reinterpret_cast<T*>(dxs.data_ptr()));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      if (compute_dws) {
-        constexpr int kWarps = kGatherThreads / 32;
-        sparse_dws_kernel<T><<<static_cast<unsigned>((entries + kWarps - 1) / kWarps), kGatherThreads, 0, stream>>>(
-            reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), sparse.sorted_ids.data_ptr<int64_t>(),
-            sparse.order.data_ptr<int64_t>(), sparse.coef.data_ptr<float>(), entries, p.k, p.hidden, vectorized,
-            reinterpret_cast<T*>(dws.data_ptr()), dws.stride(0));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_topk_sparse_grads",
+    if (compute_dxs) {
+      sparse_dxs_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
+          reinterpret_cast<const T*>(in.ws.data_ptr()), in.ws.stride(0), write_ids.data_ptr<int64_t>(),
+          sparse.coef.data_ptr<float>(), p.k, p.hidden, vectorized, reinterpret_cast<T*>(dxs.data_ptr()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-  });
+    if (compute_dws) {
+      constexpr int kWarps = kGatherThreads / 32;
+      sparse_dws_kernel<T><<<static_cast<unsigned>((entries + kWarps - 1) / kWarps), kGatherThreads, 0, stream>>>(
+          reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), sparse.sorted_ids.data_ptr<int64_t>(),
+          sparse.order.data_ptr<int64_t>(), sparse.coef.data_ptr<float>(), entries, p.k, p.hidden, vectorized,
+          reinterpret_cast<T*>(dws.data_ptr()), dws.stride(0));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  );
   return {dxs, dws};
 }
 
@@ -294,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cuda(const at::Tensor& xs_in,
   const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, ignore_index,
                                                temperature, renormalize, chunk_v, /*check_ids_on_host=*/false);
   const c10::cuda::CUDAGuard guard(xs_in.device());
-  const Inputs in = prepare(xs_in, ws_in, teacher_ids, labels_in);
+  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, p);
   at::Tensor z, norm;
   if (renormalize) {
     z = gather_logits(in, p);
@@ -302,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cuda(const at::Tensor& xs_in,
     std::tie(z, norm) = student_logits_and_log_normalizer(in, p);
   }
   auto [loss, stats] =
-      topk_rows_forward(z, norm, teacher_logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
+      topk_rows_forward(z, norm, in.logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
   return {loss.to(at::kFloat), stats};
 }
 
@@ -317,9 +302,9 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_bwd_cuda(
                                                temperature, renormalize, chunk_v, /*check_ids_on_host=*/false);
   check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, xs_in.device());
   const c10::cuda::CUDAGuard guard(xs_in.device());
-  const Inputs in = prepare(xs_in, ws_in, teacher_ids, labels_in);
+  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, p);
   const TopKGradTerms terms =
-      topk_grad_terms(row_stats, in.ids, teacher_logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
+      topk_grad_terms(row_stats, in.ids, in.logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
   const at::Tensor write_ids = terms.write_ids.contiguous();
   const at::Tensor sparse = terms.id_sparse.to(at::kFloat).contiguous(), id_dense = terms.id_dense.to(at::kFloat).contiguous();
   if (renormalize) return sparse_backward(in, terms, grad_loss, p, compute_dxs, compute_dws);
@@ -328,15 +313,12 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_bwd_cuda(
   const int64_t entries = p.num_rows * p.k;
   auto fill = [&](int64_t c0, int64_t cols, at::Tensor& dz) {
     passes.student_grad_pass(terms.grad_rows, c0, cols, dz);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dz.scalar_type(), "nitrobrew_write_id_entries", [&] {
-      using T = cuda_type_t<scalar_t>;
-      if constexpr (!std::is_same_v<T, double>) {
-        write_id_entries_kernel<T><<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(
-            write_ids.data_ptr<int64_t>(), sparse.data_ptr<float>(), id_dense.data_ptr<float>(), entries, p.k, c0,
-            cols, reinterpret_cast<T*>(dz.data_ptr()), dz.stride(0));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
+    NITROBREW_DISPATCH_CUDA_FLOATS(dz.scalar_type(), "nitrobrew_write_id_entries",
+      write_id_entries_kernel<T><<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(
+          write_ids.data_ptr<int64_t>(), sparse.data_ptr<float>(), id_dense.data_ptr<float>(), entries, p.k, c0,
+          cols, reinterpret_cast<T*>(dz.data_ptr()), dz.stride(0));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    );
   };
   return chunked_matrix_grads(grad_loss, in.xs, in.ws, p.vocab_size, p.chunk_v, compute_dxs, compute_dws, fill);
 }

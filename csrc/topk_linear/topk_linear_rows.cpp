@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
-#include "../engine/numerics.h"
+#include <limits>
+
+#include "../divergence/nonfinite.h"
 
 namespace nitrobrew {
 
@@ -30,17 +32,25 @@ at::Tensor scaled_logits(const at::Tensor& z, double inv_temperature, at::Scalar
 }
 
 struct TeacherMass {
-  at::Tensor max, log_sum;  // [N, 1]: log sum_k q_k = max + log_sum (max -inf: no mass)
+  at::Tensor max, log_sum;  // [N, 1]: log sum_k q_k = max + log_sum (max -inf: no mass; NaN: see below)
   at::Tensor has_mass;      // [N, 1] bool
 };
 
+// The row's teacher maximum is NaN where a log-probability is NaN or +inf (nonfinite.h).
 TeacherMass teacher_mass(const at::Tensor& lp) {
   TeacherMass t;
-  t.max = lp.amax(1, /*keepdim=*/true);
+  const at::Tensor max = lp.amax(1, /*keepdim=*/true);  // NaN where the row holds one
+  t.max = at::where(max == std::numeric_limits<double>::infinity(), at::full({}, kNaN<double>, max.options()), max);
   t.has_mass = t.max != kNegInf<double>;
   const at::Tensor shift = at::where(t.has_mass, t.max, at::zeros_like(t.max));
   t.log_sum = (lp - shift).exp().sum(1, /*keepdim=*/true).log();
   return t;
+}
+
+// [N, 1] bool: the rows whose loss and gradient are NaN (topk_row_undefined in nonfinite.h).
+at::Tensor undefined_rows(const at::Tensor& teacher_max, const TopKParams& p) {
+  const at::Tensor undefined = teacher_max.isnan();
+  return p.renormalize ? undefined.logical_or(teacher_max == kNegInf<double>) : undefined;
 }
 
 }  // namespace
@@ -71,8 +81,10 @@ std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const 
   const at::Tensor log_q = p.renormalize ? (lp - t.max) - t.log_sum : lp;
   const at::Tensor log_p = (s - s_max) - s_log_sum;
   const at::Tensor terms = at::where(kept, log_q.exp() * (log_q - log_p), at::zeros_like(log_p));
-  const at::Tensor active = valid.unsqueeze(1) & t.has_mass;
-  const at::Tensor loss = at::where(active, terms.sum(1, /*keepdim=*/true), at::zeros_like(s_max)).squeeze(1);
+  const at::Tensor undefined = valid.unsqueeze(1) & undefined_rows(t.max, p);
+  const at::Tensor active = valid.unsqueeze(1) & t.has_mass & undefined.logical_not();
+  at::Tensor loss = at::where(active, terms.sum(1, /*keepdim=*/true), at::zeros_like(s_max));
+  loss = at::where(undefined, at::full({}, kNaN<double>, loss.options()), loss).squeeze(1);
   const at::Tensor stats = at::cat({s_max, s_log_sum, t.max, t.log_sum, z64}, 1);
   return {loss, at::where(valid.unsqueeze(1), stats, at::zeros_like(stats))};
 }
@@ -86,8 +98,9 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
   const at::Tensor s = scaled_logits(stats.narrow(1, kTopKLogitsColumn, p.k), p.inv_temperature, acc_dtype);
   const at::Tensor prob = ((s - s_max) - s_log_sum).exp();  // p_{id_k} (p~_k when renormalized)
   const at::Tensor lp = teacher_logprobs.to(at::kDouble);
-  const at::Tensor active = valid.unsqueeze(1) & (t_max != kNegInf<double>);
-  const at::Tensor zero = at::zeros({}, stats.options());
+  const at::Tensor undefined = valid.unsqueeze(1) & undefined_rows(t_max, p);
+  const at::Tensor active = valid.unsqueeze(1) & (t_max != kNegInf<double>) & undefined.logical_not();
+  const at::Tensor zero = at::zeros({}, stats.options()), nan = at::full({}, kNaN<double>, stats.options());
   at::Tensor dense, c;  // per row: the dense coefficient; per entry: the sparse term
   if (p.renormalize) {
     dense = at::zeros_like(s_max);
@@ -96,15 +109,17 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
     dense = (t_max + t_log_sum).exp();  // sum_k q_k
     c = -lp.exp();
   }
-  dense = at::where(active, dense, zero);
-  c = at::where(active, c, zero);
+  // Undefined rows: NaN everywhere (the dense part, or for "topk" the ids' entries).
+  dense = at::where(undefined, nan, at::where(active, dense, zero));
+  c = at::where(undefined, nan, at::where(active, c, zero));
   const auto [sparse, write_ids] = sum_over_repeated_ids(c, teacher_ids);
   TopKGradTerms terms;
   terms.dense = dense.squeeze(1);
   terms.write_ids = write_ids;
   terms.id_sparse = sparse * p.inv_temperature;
-  terms.id_dense = at::where(active, dense * prob, zero) * p.inv_temperature;
-  terms.grad_rows = at::where(active, at::cat({s_max, s_log_sum, dense}, 1), zero).to(at::kFloat).contiguous();
+  terms.id_dense = at::where(active.logical_or(undefined), dense * prob, zero) * p.inv_temperature;
+  terms.grad_rows =
+      at::where(active.logical_or(undefined), at::cat({s_max, s_log_sum, dense}, 1), zero).to(at::kFloat).contiguous();
   return terms;
 }
 

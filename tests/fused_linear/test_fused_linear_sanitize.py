@@ -45,3 +45,18 @@ def test_every_kernel_once():
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
 
+
+
+def test_labels_out_of_range_with_cross_entropy(monkeypatch):
+    # Where the Python check cannot run (torch.compile, CUDA graphs): a label outside [0, V) makes its
+    # row NaN instead of stopping the merge kernel with a device-side assertion.
+    monkeypatch.setattr(nitrobrew._checks, "host_checks_possible", lambda t: False)
+    xs = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xt = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
+    ws, wt = (torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16) / 8 for _ in range(2))
+    labels = torch.tensor([1, 5000, 3, -100, -7, 9], device="cuda")
+    for loss_fn in [nitrobrew.forward_kl, lambda *a, **kw: nitrobrew.jsd(*a, beta=0.5, **kw)]:
+        loss = loss_fn(xs, xt, ws, wt, labels=labels, ce_weight=0.3, reduction="none")
+        loss.sum().backward()
+        torch.cuda.synchronize()
+        assert loss[[1, 4]].isnan().all() and loss[[0, 2, 3, 5]].isfinite().all()

@@ -45,3 +45,18 @@ def test_every_kernel_once():
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
 
+
+
+def test_ids_out_of_range_stay_inside_the_weights(monkeypatch):
+    # Where the Python check cannot run (torch.compile, CUDA graphs): the guarded ids read no row
+    # outside ws, in either normalization's kernels; the rows come out NaN.
+    monkeypatch.setattr(nitrobrew._checks, "host_checks_possible", lambda t: False)
+    xs = torch.randn(5, 200, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = torch.randn(1000, 200, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    lps, ids = torch.randn(5, 1000, device="cuda").log_softmax(-1).topk(64, dim=-1)
+    ids[1, 3], ids[3, 0] = 1000 + 2**20, -5
+    for normalize in ["full", "topk"]:
+        loss = nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize, reduction="none")
+        loss.sum().backward()
+        torch.cuda.synchronize()
+        assert loss[[1, 3]].isnan().all() and loss[[0, 2, 4]].isfinite().all()

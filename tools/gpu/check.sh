@@ -11,6 +11,7 @@
 #   sanitize     every family's sanitizer cases (pytest -m sanitize) under compute-sanitizer memcheck
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
+#   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 # FAMILIES="fused_linear logits" limits sanitize to those test folders.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,6 +70,7 @@ for step in $steps; do
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
+    bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
     *) echo "unknown step: $step"; status=1 ;;
   esac

@@ -37,12 +37,13 @@ bool sm90a_kernels_loaded() {
   return it->second;
 }
 
-}  // namespace
-
+// NITROBREW_FORCE_SM80=1 is set.
 bool forced_sm80() {
   const char* value = std::getenv("NITROBREW_FORCE_SM80");
   return value != nullptr && std::strcmp(value, "1") == 0;
 }
+
+}  // namespace
 
 bool use_sm90a_kernels() { return !forced_sm80() && sm90a_kernels_loaded(); }
 

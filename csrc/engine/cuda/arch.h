@@ -20,9 +20,6 @@ namespace cuda {
 // selects mma.sync everywhere, so the sm_80 kernels can be tested on Hopper.
 enum class KernelPath { kMmaSync, kWgmma };
 
-// NITROBREW_FORCE_SM80=1 is set.
-bool forced_sm80();
-
 // Whether the sm_90a kernels should run on the current device: Hopper with the sm_90a build
 // loaded, and NITROBREW_FORCE_SM80 not set to 1.
 bool use_sm90a_kernels();

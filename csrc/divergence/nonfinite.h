@@ -1,0 +1,47 @@
+// The non-finite rule of every loss (docs/design.md, "Non-finite inputs"), as the CPU and CUDA
+// kernels apply it:
+//   - -inf logits or log-probabilities are probability 0: their terms are 0 (0 log 0 = 0);
+//   - NaN, and +inf where it is no legal value (a logit, a log-probability), make the row's loss
+//     and gradient NaN; other rows are unaffected;
+//   - a distribution with no entry above -inf is undefined: NaN too (a logit row all -inf, a
+//     top-K teacher renormalized over K log-probabilities that are all -inf).
+#pragma once
+
+#include <limits>
+
+#include "../engine/numerics.h"
+
+namespace nitrobrew {
+
+template <typename T>
+constexpr T kNaN = std::numeric_limits<T>::quiet_NaN();
+
+// max(a, b) that keeps a NaN (fmax and std::max drop it): a row's running maximum must not lose a
+// NaN whose neighbours are all -inf.
+template <typename T>
+NB_HOST_DEVICE T nan_max(T a, T b) {
+  return (a > b || a != a) ? a : b;
+}
+
+// A teacher log-probability as its row's maximum is taken over it: NaN counts as +inf, so that
+// the maximum is +inf exactly when the row holds a NaN or +inf (teacher_row_max maps it to NaN).
+template <typename T>
+NB_HOST_DEVICE T teacher_max_key(T lp) {
+  return lp != lp ? std::numeric_limits<T>::infinity() : lp;
+}
+
+// The row's teacher maximum as the statistics keep it: NaN for a row holding a NaN or +inf.
+template <typename T>
+NB_HOST_DEVICE T teacher_row_max(T max_key) {
+  return max_key == std::numeric_limits<T>::infinity() ? kNaN<T> : max_key;
+}
+
+// Whether a top-K row's loss (and gradient) is NaN: its teacher held a NaN or +inf, or
+// normalize="topk" renormalizes K log-probabilities that are all -inf. (normalize="full" with all
+// -inf keeps every q_k = 0: loss 0.)
+template <typename T>
+NB_HOST_DEVICE bool topk_row_undefined(T teacher_max, bool renormalize) {
+  return teacher_max != teacher_max || (renormalize && teacher_max == kNegInf<T>);
+}
+
+}  // namespace nitrobrew
