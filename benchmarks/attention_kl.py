@@ -14,8 +14,13 @@ N = 65536, at most 1 GiB of extra memory. Memory is measured as in fused_linear.
 torch.cuda.max_memory_allocated on CUDA; on CPU every measurement runs in a fresh subprocess and reports
 its peak RSS growth (VmHWM).
 
+`nitrobrew_bhnd` is the same call on [B, H, N, D] inputs (layout="bhnd", read in place). `nitrobrew_fp32` is the same call on float32 inputs (on CUDA the exact float32 path: chunked float32
+GEMMs, TF32 off); its `ratio_to_nitrobrew` column is its time over `nitrobrew`'s at the same N, causal flag
+and mode, i.e. the price of float32 over --dtype (bf16 by default). Its rows above --fp32-max-n (default
+16384) are skipped: at N = 65536 one run takes seconds.
+
 A method is a function (x, *, causal, kind, reduction, deterministic) -> Tensor, where x maps input names
-to tensors; register one with @method(name, inputs, grads).
+to tensors; register one with @method(name, inputs, grads, dtype=...).
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ DEFAULT_HEADS = {"cpu": 4, "cuda": 32}
 COLUMNS = [
     "date", "device", "driver", "torch", "cuda", "commit", "threads", "method", "kind", "deterministic", "mode",
     "causal", "dtype", "B", "H", "N", "D", "status", "median_ms", "min_ms", "peak_extra_mib", "memory_metric",
-    "ratio_to_sdpa", "loss_value", "backend", "rounds", "round_medians_ms", "error",
+    "ratio_to_sdpa", "ratio_to_nitrobrew", "loss_value", "backend", "rounds", "round_medians_ms", "error",
 ]
-ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "ratio_to_sdpa"}  # loss_value keeps full precision
+# loss_value keeps full precision
+ROUNDED = {"median_ms", "min_ms", "peak_extra_mib", "ratio_to_sdpa", "ratio_to_nitrobrew"}
 INPUT_NAMES = ["q_s", "k_s", "q_t", "k_t", "v"]  # each drawn with its own seed: every method sees the same q_s, k_s
 
 
@@ -61,17 +67,24 @@ class Method(NamedTuple):
     inputs: tuple  # the input tensors it needs (only these are allocated, so the baseline is its own)
     grads: tuple  # what fwd_bwd differentiates with respect to
     is_loss: bool  # whether its output is a KL (reported as loss_value)
+    dtype: str | None  # its inputs' dtype; None: the run's --dtype
+    layout: str = "bnhd"  # its inputs' memory layout: [B, N, H, D] or [B, H, N, D] ("bhnd")
 
 
 METHODS: dict[str, Method] = {}
 KL_INPUTS = ("q_s", "k_s", "q_t", "k_t")
 
 
-def method(name, inputs=KL_INPUTS, grads=("q_s", "k_s"), is_loss=True):
+def method(name, inputs=KL_INPUTS, grads=("q_s", "k_s"), is_loss=True, dtype=None, layout="bnhd"):
     def register(fn):
-        METHODS[name] = Method(fn, inputs, grads, is_loss)
+        METHODS[name] = Method(fn, inputs, grads, is_loss, dtype, layout)
         return fn
     return register
+
+
+def input_dtype(name, run_dtype):
+    """The dtype of a method's inputs in a run whose --dtype is run_dtype."""
+    return METHODS[name].dtype or run_dtype
 
 
 @method("nitrobrew")
@@ -80,6 +93,19 @@ def _nitrobrew(x, *, causal, kind, reduction, deterministic):
         raise RuntimeError(f"import nitrobrew failed: {NITROBREW_IMPORT_ERROR!r}")
     return nitrobrew.attention_kl(x["q_s"], x["k_s"], x["q_t"], x["k_t"], causal=causal, kind=kind,
                                   reduction=reduction, deterministic=deterministic)
+
+
+@method("nitrobrew_fp32", dtype="float32")
+def _nitrobrew_fp32(x, **options):
+    # float32 inputs: on CUDA the chunked path of exact float32 GEMMs instead of the 16-bit kernels.
+    return _nitrobrew(x, **options)
+
+
+@method("nitrobrew_bhnd", layout="bhnd")
+def _nitrobrew_bhnd(x, *, causal, kind, reduction, deterministic):
+    # [B, H, N, D] inputs (Hugging Face's and SDPA's), read in place through their strides.
+    return nitrobrew.attention_kl(x["q_s"], x["k_s"], x["q_t"], x["k_t"], causal=causal, kind=kind,
+                                  reduction=reduction, deterministic=deterministic, layout="bhnd")
 
 
 def _naive_log_probs(q, k, hidden):
@@ -138,8 +164,10 @@ def kernel_family(run, device):
 
 
 def make_inputs(spec, m):
-    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    device, dtype = torch.device(spec["device"]), getattr(torch, input_dtype(spec["method"], spec["dtype"]))
     shape = (spec["B"], spec["N"], spec["H"], spec["D"])
+    if m.layout == "bhnd":
+        shape = (spec["B"], spec["H"], spec["N"], spec["D"])
     x = {}
     for name in m.inputs:
         # N(0, 1) inputs with the default scale 1/sqrt(D) give scores about N(0, 1): KL(t || s) of order 1.
@@ -222,12 +250,20 @@ def git_commit():
 
 def add_ratios(rows):
     # Ratios to SDPA of the same N, causal flag and mode: absolute times only mean something within one run.
-    sdpa = {(r["N"], r["causal"], r["mode"]): r.get("median_ms") for r in rows
-            if r["method"] == "sdpa" and r["status"] == "ok"}
+    # The nitrobrew variants (nitrobrew_fp32) are also compared with nitrobrew itself.
+    def times(name):
+        return {(r["N"], r["causal"], r["mode"]): r.get("median_ms") for r in rows
+                if r["method"] == name and r["status"] == "ok"}
+
+    sdpa, ours = times("sdpa"), times("nitrobrew")
     for r in rows:
-        base = sdpa.get((r["N"], r["causal"], r["mode"]))
-        if r["status"] == "ok" and base:
-            r["ratio_to_sdpa"] = r["median_ms"] / base
+        key = (r["N"], r["causal"], r["mode"])
+        if r["status"] != "ok":
+            continue
+        if sdpa.get(key):
+            r["ratio_to_sdpa"] = r["median_ms"] / sdpa[key]
+        if r["method"].startswith("nitrobrew_") and ours.get(key):
+            r["ratio_to_nitrobrew"] = r["median_ms"] / ours[key]
 
 
 def write_csv(rows, path):
@@ -240,15 +276,16 @@ def write_csv(rows, path):
 
 
 def print_table(rows):
-    print(f"{'method':<11}{'mode':<9}{'causal':<8}{'N':>7}{'median ms':>11}{'min ms':>10}"
-          f"{'peak MiB':>10}{'vs sdpa':>9}{'loss':>10}")
+    print(f"{'method':<15}{'mode':<9}{'causal':<8}{'N':>7}{'median ms':>11}{'min ms':>10}"
+          f"{'peak MiB':>10}{'vs sdpa':>9}{'vs nb':>7}{'loss':>10}")
     for r in rows:
         numbers = (
             f"{fmt(r.get('median_ms'), '.2f'):>11}{fmt(r.get('min_ms'), '.2f'):>10}{fmt(r.get('peak_extra_mib')):>10}"
-            f"{fmt(r.get('ratio_to_sdpa'), '.2f'):>9}{fmt(r.get('loss_value'), '.5f'):>10}  {r.get('backend', '')}"
+            f"{fmt(r.get('ratio_to_sdpa'), '.2f'):>9}{fmt(r.get('ratio_to_nitrobrew'), '.2f'):>7}"
+            f"{fmt(r.get('loss_value'), '.5f'):>10}  {r.get('backend', '')}"
             if r["status"] == "ok" else f"  {r['status']}  {r.get('error', '')[:80]}"
         )
-        print(f"{r['method']:<11}{r['mode']:<9}{str(r['causal']):<8}{r['N']:>7}" + numbers)
+        print(f"{r['method']:<15}{r['mode']:<9}{str(r['causal']):<8}{r['N']:>7}" + numbers)
 
 
 def print_targets(rows):
@@ -338,6 +375,7 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every (method, N, causal, mode) this many times, one round after another")
     p.add_argument("--warmup", type=int, help="default: 1 on cpu, 3 on cuda")
+    p.add_argument("--fp32-max-n", type=int, default=16384, help="skip nitrobrew_fp32 rows with a larger N")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (cpu)")
     p.add_argument("--out", type=Path, help="CSV path; the plot goes beside it as .png")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # JSON spec: measure once, print the result as JSON
@@ -387,12 +425,15 @@ def main():
              for causal in causals for n in args.n for mode in args.modes for name in args.methods]
 
     def measure_one(spec):
+        if spec["method"] == "nitrobrew_fp32" and spec["N"] > args.fp32_max_n:
+            return {"status": "skipped", "error": f"N > --fp32-max-n {args.fp32_max_n}"}
         result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
         free_device_memory(device)
         return result
 
     rows = [{**meta, "method": spec["method"], "mode": spec["mode"], "causal": spec["causal"], "N": spec["N"],
-             "rounds": args.rounds, **result} for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
+             "dtype": input_dtype(spec["method"], args.dtype), "rounds": args.rounds, **result}
+            for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
 
     add_ratios(rows)
     write_csv(rows, out)

@@ -66,11 +66,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const Atte
 
   const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
   const int k_tiles = key_end > 0 ? (key_end + kBlockCols - 1) / kBlockCols : 0;
-  const int64_t q_stride_s = static_cast<int64_t>(a.heads) * a.d_s, q_stride_t = static_cast<int64_t>(a.heads) * a.d_t;
-  const int64_t k_stride_s = static_cast<int64_t>(a.key_heads_s) * a.d_s;
-  const int64_t k_stride_t = static_cast<int64_t>(a.key_heads_t) * a.d_t;
-  const T* k_s_rows = a.rows(a.k_s, b, a.n_k, a.key_heads_s, a.key_head_s(h), 0, a.d_s);
-  const T* k_t_rows = a.rows(a.k_t, b, a.n_k, a.key_heads_t, a.key_head_t(h), 0, a.d_t);
+  const int64_t k_stride_s = a.st_k_s.row, k_stride_t = a.st_k_t.row;
+  const T* k_s_rows = a.rows(a.k_s, a.st_k_s, b, a.key_head_s(h), 0);
+  const T* k_t_rows = a.rows(a.k_t, a.st_k_t, b, a.key_head_t(h), 0);
   auto load_keys = [&](int tile, int stage) {
     const int j0 = tile * kBlockCols;
     load_tile_async(k_s + stage * kBlockRows * s_len, kDs, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0, a.d_s);
@@ -78,8 +76,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dq_kernel(const Atte
                     a.d_t);
   };
   if (k_tiles > 0) {
-    load_tile_async(q_s, kDs, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
-    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
+    load_tile_async(q_s, kDs, a.rows(a.q_s, a.st_q_s, b, h, i0), a.st_q_s.row, rows_valid, a.d_s);
+    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, a.st_q_t, b, h, i0), a.st_q_t.row, rows_valid, a.d_t);
     load_keys(0, 0);
     cp_async_commit();
   }
@@ -167,17 +165,14 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
   const int q_first = a.causal ? max(0, j0 - (a.n_k - a.n_q)) : 0;
   const int q_tiles = (a.n_q + kBlockCols - 1) / kBlockCols, first_tile = q_first / kBlockCols;
   const int per_head = max(0, q_tiles - first_tile), items = group * per_head;
-  const int64_t q_stride_s = static_cast<int64_t>(a.heads) * a.d_s, q_stride_t = static_cast<int64_t>(a.heads) * a.d_t;
-  const int64_t k_stride_s = static_cast<int64_t>(a.key_heads_s) * a.d_s;
-  const int64_t k_stride_t = static_cast<int64_t>(a.key_heads_t) * a.d_t;
   auto item_head = [&](int it) { return kh * group + it / per_head; };
   auto item_i0 = [&](int it) { return (first_tile + it % per_head) * kBlockCols; };
   auto load_item = [&](int it, int stage) {
     const int h = item_head(it), i0 = item_i0(it);
-    load_tile_async(q_s + stage * kBlockCols * s_len, kDs, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s,
+    load_tile_async(q_s + stage * kBlockCols * s_len, kDs, a.rows(a.q_s, a.st_q_s, b, h, i0), a.st_q_s.row,
                     a.n_q - i0, a.d_s);
-    load_tile_async(q_t + stage * kBlockCols * t_len, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t),
-                    q_stride_t, a.n_q - i0, a.d_t);
+    load_tile_async(q_t + stage * kBlockCols * t_len, d_t_pad, a.rows(a.q_t, a.st_q_t, b, h, i0), a.st_q_t.row,
+                    a.n_q - i0, a.d_t);
     if (threadIdx.x < kBlockCols) {
       grads[stage * kBlockCols + threadIdx.x] = load_grad_row(a, b * a.heads + h, i0 + threadIdx.x, grad_scale);
     }
@@ -194,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
 
   int loaded_teacher_head = -1;
   if (items > 0) {
-    load_tile_async(k_s, kDs, a.rows(a.k_s, b, a.n_k, a.key_heads_s, kh, j0, a.d_s), k_stride_s, a.n_k - j0, a.d_s);
+    load_tile_async(k_s, kDs, a.rows(a.k_s, a.st_k_s, b, kh, j0), a.st_k_s.row, a.n_k - j0, a.d_s);
     load_item(0, 0);
     cp_async_commit();
   }
@@ -203,8 +198,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_dk_kernel(const Atte
     const int stage = it & 1, h = item_head(it), i0 = item_i0(it);
     const int teacher_head = a.key_head_t(h);
     if (teacher_head != loaded_teacher_head) {  // k_t was last read before the previous barrier
-      load_tile_async(k_t, d_t_pad, a.rows(a.k_t, b, a.n_k, a.key_heads_t, teacher_head, j0, a.d_t), k_stride_t,
-                      a.n_k - j0, a.d_t);
+      load_tile_async(k_t, d_t_pad, a.rows(a.k_t, a.st_k_t, b, teacher_head, j0), a.st_k_t.row, a.n_k - j0, a.d_t);
       cp_async_commit();
       loaded_teacher_head = teacher_head;
     }

@@ -504,8 +504,8 @@ void launch_attention_kl_backward_hopper_fused(AttentionArgs<T> a, const at::Ten
                                                const at::Tensor& q_t, const at::Tensor& k_t, bool with_dq,
                                                cudaStream_t stream) {
   TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
-  const FusedBackwardMaps maps{head_tensor_map(k_s, kRows), head_tensor_map(k_t, kRows), head_tensor_map(q_s, kCols),
-                               head_tensor_map(q_t, kCols)};
+  const FusedBackwardMaps maps{head_tensor_map(k_s, kRows), head_tensor_map(k_t, kRows),
+                               head_tensor_map(q_s, kCols), head_tensor_map(q_t, kCols)};
   if (a.d_s <= 64) {
     with_dq ? launch_fused<T, 64>(maps, a, q_s, stream) : launch_dk_only<T, 64>(maps, a, stream);
   } else {

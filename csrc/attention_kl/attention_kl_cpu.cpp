@@ -7,7 +7,8 @@
 // [N_q x N_k] is ever allocated. Under the causal mask, key tiles past a query tile's last
 // visible key are skipped. The backward recomputes the blocks from the saved per-row
 // statistics; it runs per (batch, student key head), so the gradient of each key head is
-// accumulated by one thread over the query heads of its GQA group.
+// accumulated by one thread over the query heads of its GQA group. The products are exact float32
+// (or float64) even where the user allowed oneDNN's reduced-precision float32 matmuls.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "../divergence/row_stats.h"
+#include "attention_kl_exact_matmul.h"
 #include "attention_kl_params.h"
 
 namespace nitrobrew {
@@ -189,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_fwd_cpu(const at::Tensor& q_s, c
   at::Tensor loss = at::zeros({p.batch, p.heads, p.n_queries}, q_s.options().dtype(acc));
   at::Tensor row_stats = at::zeros({p.batch, p.heads, p.n_queries, kNumAttentionRowStats}, q_s.options().dtype(acc));
   if (loss.numel() == 0 || p.n_keys == 0) return {loss, row_stats};
+  const ExactFloat32Matmuls exact;
   at::Tensor mask_storage;
   AT_DISPATCH_FLOATING_TYPES(acc, "attention_kl_fwd_cpu", [&] {
     const AttentionInputs<scalar_t> in(q_s, k_s, q_t, k_t, key_mask, mask_storage);
@@ -215,6 +218,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cpu(const at::Tensor& grad_l
   at::Tensor dq = at::zeros(q_s.sizes(), q_s.options().dtype(acc));
   at::Tensor dk = at::zeros(k_s.sizes(), k_s.options().dtype(acc));
   if (grad_loss.numel() > 0 && p.n_keys > 0) {
+    const ExactFloat32Matmuls exact;
     at::Tensor mask_storage;
     AT_DISPATCH_FLOATING_TYPES(acc, "attention_kl_bwd_cpu", [&] {
       const AttentionInputs<scalar_t> in(q_s, k_s, q_t, k_t, key_mask, mask_storage);

@@ -38,11 +38,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
 
   const int key_end = min(a.n_k, a.last_key(i0 + rows_valid - 1) + 1);
   const int k_tiles = key_end > 0 ? (key_end + kBlockCols - 1) / kBlockCols : 0;
-  const int64_t q_stride_s = static_cast<int64_t>(a.heads) * a.d_s, q_stride_t = static_cast<int64_t>(a.heads) * a.d_t;
-  const int64_t k_stride_s = static_cast<int64_t>(a.key_heads_s) * a.d_s;
-  const int64_t k_stride_t = static_cast<int64_t>(a.key_heads_t) * a.d_t;
-  const T* k_s_rows = a.rows(a.k_s, b, a.n_k, a.key_heads_s, a.key_head_s(h), 0, a.d_s);
-  const T* k_t_rows = a.rows(a.k_t, b, a.n_k, a.key_heads_t, a.key_head_t(h), 0, a.d_t);
+  const int64_t k_stride_s = a.st_k_s.row, k_stride_t = a.st_k_t.row;
+  const T* k_s_rows = a.rows(a.k_s, a.st_k_s, b, a.key_head_s(h), 0);
+  const T* k_t_rows = a.rows(a.k_t, a.st_k_t, b, a.key_head_t(h), 0);
   auto load_keys = [&](int tile, int stage) {
     const int j0 = tile * kBlockCols;
     load_tile_async(k_s + stage * kBlockRows * s_len, d_s_pad, k_s_rows + j0 * k_stride_s, k_stride_s, a.n_k - j0,
@@ -51,8 +49,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kl_fwd_kernel(const Att
                     a.d_t);
   };
   if (k_tiles > 0) {
-    load_tile_async(q_s, d_s_pad, a.rows(a.q_s, b, a.n_q, a.heads, h, i0, a.d_s), q_stride_s, rows_valid, a.d_s);
-    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, b, a.n_q, a.heads, h, i0, a.d_t), q_stride_t, rows_valid, a.d_t);
+    load_tile_async(q_s, d_s_pad, a.rows(a.q_s, a.st_q_s, b, h, i0), a.st_q_s.row, rows_valid, a.d_s);
+    load_tile_async(q_t, d_t_pad, a.rows(a.q_t, a.st_q_t, b, h, i0), a.st_q_t.row, rows_valid, a.d_t);
     load_keys(0, 0);
     cp_async_commit();
   }

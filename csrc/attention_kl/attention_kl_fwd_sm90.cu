@@ -3,7 +3,7 @@
 // cores.
 //
 // A block owns 192 query rows of one head. Thread 0 of a producer warpgroup loads the rows of
-// both models once (4-D TMA boxes straight from the [B, N, H, D] tensors, 32-wide head-dim slabs
+// both models once (4-D TMA boxes straight from the [B, N, H, D] views, 32-wide head-dim slabs
 // in 64-byte swizzled rows), then streams 96-key tiles of both models through a ring of two
 // stages. Each of three consumer warpgroups owns 64 rows; per key tile it
 //   1. multiplies its student and teacher rows by the tile's keys (wgmma.m64n96k16, both
@@ -214,8 +214,8 @@ template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream) {
   TORCH_CHECK(attention_kl_hopper_supports(a.d_s, a.d_t), "attention_kl: head dims over 128");
-  const AttentionMaps maps{head_tensor_map(q_s, kRows), head_tensor_map(q_t, kRows), head_tensor_map(k_s, kCols),
-                           head_tensor_map(k_t, kCols), nullptr};
+  const AttentionMaps maps{head_tensor_map(q_s, kRows), head_tensor_map(q_t, kRows),
+                           head_tensor_map(k_s, kCols), head_tensor_map(k_t, kCols), nullptr};
   const int64_t blocks = a.batch * a.heads * ((a.n_q + kRows - 1) / kRows);
   TORCH_CHECK(blocks < INT_MAX, "attention_kl: too many (batch, head, query tile) blocks: ", blocks);
 #ifdef NITROBREW_DEV_KNOBS

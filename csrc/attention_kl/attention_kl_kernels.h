@@ -16,11 +16,28 @@ namespace nitrobrew {
 namespace cuda {
 namespace attention {
 
-// Everything the kernels read, as plain pointers and sizes. Inputs are [B, N, H, D] with D
-// a multiple of 8 and rows 16-byte aligned (the host pads and copies where needed).
+// Where the rows of a [B, N, H, D] input lie: the element strides of its batch, row and head
+// dims (its head dim is contiguous). Multiples of 8 elements, so every row starts 16-byte aligned;
+// a [B, H, N, D] tensor viewed as [B, N, H, D] (layout="bhnd") is read in place.
+struct HeadStrides {
+  int64_t batch, row, head;
+};
+
+// The strides of a [B, N, H, D] input as the kernels read it. A dim of size 1 is only ever
+// indexed at 0, so its stride (arbitrary in PyTorch) is replaced by D: harmless in an address and
+// a multiple of 16 bytes, as TMA requires of every stride.
+inline HeadStrides head_strides(const at::Tensor& t) {
+  auto stride = [&](int dim) { return t.size(dim) == 1 ? t.size(3) : t.stride(dim); };
+  return {stride(0), stride(1), stride(2)};
+}
+
+// Everything the kernels read, as plain pointers and sizes. Inputs are [B, N, H, D] views with D
+// a multiple of 8, a contiguous head dim and 16-byte aligned rows at any B, N, H strides (the host
+// pads and copies where needed). Outputs (dq, dk) are contiguous [B, N, H, D].
 template <typename T>
 struct AttentionArgs {
   const T *q_s, *k_s, *q_t, *k_t;
+  HeadStrides st_q_s, st_k_s, st_q_t, st_k_t;  // the inputs' strides, in elements
   const bool* key_mask;  // [B, N_k] or nullptr
   int64_t batch;
   int n_q, n_k, heads, key_heads_s, key_heads_t;
@@ -55,10 +72,9 @@ struct AttentionArgs {
   NB_HOST_DEVICE bool visible(int64_t b, int i, int j) const {
     return i < n_q && j < n_k && j <= last_key(i) && (key_mask == nullptr || key_mask[b * n_k + j]);
   }
-  // Row r of a [64 x d] tile of queries (n = n_q, heads) or keys (n = n_k, key heads) of head `head`.
-  NB_HOST_DEVICE const T* rows(const T* base, int64_t b, int n, int head_count, int head, int first_row,
-                                           int d) const {
-    return base + ((b * n + first_row) * head_count + head) * static_cast<int64_t>(d);
+  // The first of a tile's rows (queries or keys, `st.row` elements apart) of batch b and head `head`.
+  NB_HOST_DEVICE static const T* rows(const T* base, const HeadStrides& st, int64_t b, int head, int first_row) {
+    return base + b * st.batch + static_cast<int64_t>(first_row) * st.row + static_cast<int64_t>(head) * st.head;
   }
 };
 
@@ -79,9 +95,9 @@ void launch_attention_kl_forward(const AttentionArgs<T>& a, cudaStream_t stream)
 // host keeps the mma.sync kernels for larger ones.
 bool attention_kl_hopper_supports(int64_t d_s, int64_t d_t);
 
-// The same on Hopper with the sm_90a kernel (TMA + wgmma, fwd_sm90.cu); the inputs in
-// kernel layout (contiguous [B, N, H, D], D % 8 == 0). Only where use_sm90a_kernels() (tma.h) and
-// attention_kl_hopper_supports.
+// The same on Hopper with the sm_90a kernel (TMA + wgmma, fwd_sm90.cu); the inputs in kernel
+// layout ([B, N, H, D] views as AttentionArgs describes them, read through head_tensor_map).
+// Only where use_sm90a_kernels() (tma.h) and attention_kl_hopper_supports.
 template <typename T>
 void launch_attention_kl_forward_hopper(const AttentionArgs<T>& a, const at::Tensor& q_s, const at::Tensor& k_s,
                                         const at::Tensor& q_t, const at::Tensor& k_t, cudaStream_t stream);

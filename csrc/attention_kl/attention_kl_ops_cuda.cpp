@@ -2,7 +2,8 @@
 // the choice of kernels; the kernels and their launchers are in fwd_sm90.cu (sm_90a
 // forward), fwd_sm80.cu (mma.sync forward), bwd_sm90.cu (sm_90a
 // backward), bwd_dq_sm90.cu (its deterministic form) and bwd_sm80.cu (mma.sync
-// backward).
+// backward). float32 inputs take the chunked ATen path (attention_kl_chunked.h) instead: the
+// kernels multiply 16-bit operands on tensor cores, and float32 results must be float32-exact.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -16,6 +17,7 @@
 
 #include "../engine/cuda/arch.h"
 #include "../engine/cuda/sm90/tma.h"
+#include "attention_kl_chunked.h"
 #include "attention_kl_kernels.h"
 #include "attention_kl_params.h"
 
@@ -26,19 +28,43 @@ namespace {
 
 inline int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
 
+inline bool is_16_bit(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
 inline void check_cuda_inputs(const at::Tensor& q_s, const AttentionKLParams& p) {
-  TORCH_CHECK(q_s.scalar_type() == at::kBFloat16 || q_s.scalar_type() == at::kHalf,
-              "attention_kl: the CUDA kernels take bfloat16 or float16 inputs (tensor cores, as FlashAttention), "
-              "got ", q_s.scalar_type(), "; cast q and k, e.g. q.to(torch.bfloat16)");
-  TORCH_CHECK(p.dim_s <= 256 && p.dim_t <= 256, "attention_kl: the CUDA kernels take head dims up to 256, got ",
-              p.dim_s, " (student) and ", p.dim_t, " (teacher)");
+  TORCH_CHECK(is_16_bit(q_s) || q_s.scalar_type() == at::kFloat,
+              "attention_kl: CUDA takes bfloat16 or float16 inputs (tensor cores, as FlashAttention) or float32 "
+              "ones (exact float32 products, slower), got ", q_s.scalar_type(),
+              "; cast q and k, e.g. q.to(torch.bfloat16)");
+  TORCH_CHECK(!is_16_bit(q_s) || (p.dim_s <= 256 && p.dim_t <= 256),
+              "attention_kl: the CUDA kernels take head dims up to 256, got ", p.dim_s, " (student) and ", p.dim_t,
+              " (teacher)");
   TORCH_CHECK(p.n_queries < INT_MAX / 2 && p.n_keys < INT_MAX / 2 && p.heads < INT_MAX / 2,
               "attention_kl: sequence lengths and head counts must be below 2^30");
 }
 
-// An input as the kernels read it: contiguous [B, N, H, D], D padded with zeros to a multiple of
-// 8 (16-byte cp.async chunks; zeros leave every dot product unchanged), 16-byte aligned.
+// Whether the kernels can read a [B, N, H, D] view where it lies: 16-byte chunks of a contiguous
+// head dim (D % 8 == 0), a 16-byte aligned base, and B, N, H strides (of the dims longer than 1) that
+// are positive multiples of 16 bytes, below TMA's 2^40 bytes. A [B, H, N, D] tensor viewed as
+// [B, N, H, D] qualifies, as does any contiguous one with D % 8 == 0.
+inline bool readable_in_place(const at::Tensor& t) {
+  const int64_t per_chunk = 16 / t.element_size();
+  if (t.size(3) % per_chunk != 0 || t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  for (int dim = 0; dim < 3; ++dim) {
+    const int64_t stride = t.stride(dim), bytes = stride * t.element_size();
+    if (t.size(dim) > 1 && (stride <= 0 || stride % per_chunk != 0 || bytes >= (int64_t(1) << 40))) return false;
+  }
+  return true;
+}
+
+// An input as the kernels read it: the tensor itself where readable_in_place; otherwise a
+// contiguous copy, D padded with zeros to a multiple of 8 (16-byte cp.async chunks; zeros leave
+// every dot product unchanged), 16-byte aligned.
 inline at::Tensor kernel_layout(const at::Tensor& t) {
+  if (readable_in_place(t)) return t;
   at::Tensor out = t.contiguous();
   if (out.size(3) % 8 != 0) out = at::constant_pad_nd(out, {0, 8 - out.size(3) % 8});
   if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) out = out.clone();
@@ -64,6 +90,10 @@ struct KernelInputs {
     a.k_s = reinterpret_cast<const T*>(k_s.data_ptr());
     a.q_t = reinterpret_cast<const T*>(q_t.data_ptr());
     a.k_t = reinterpret_cast<const T*>(k_t.data_ptr());
+    a.st_q_s = head_strides(q_s);
+    a.st_k_s = head_strides(k_s);
+    a.st_q_t = head_strides(q_t);
+    a.st_k_t = head_strides(k_t);
     a.key_mask = key_mask.defined() ? key_mask.data_ptr<bool>() : nullptr;
     a.batch = p.batch;
     a.n_q = static_cast<int>(p.n_queries);
@@ -92,6 +122,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_fwd_cuda(const at::Tensor& q_s, 
       make_attention_kl_params(q_s, k_s, q_t, k_t, key_mask, divergence, causal, scale_s, scale_t, temperature);
   check_cuda_inputs(q_s, p);
   const c10::cuda::CUDAGuard guard(q_s.device());
+  if (q_s.scalar_type() == at::kFloat) return chunked::attention_kl_forward(p, q_s, k_s, q_t, k_t, key_mask);
   // The kernel writes every row, zeros for rows that see no key.
   at::Tensor loss = at::empty({p.batch, p.heads, p.n_queries}, q_s.options().dtype(at::kFloat));
   at::Tensor row_stats = at::empty({p.batch, p.heads, p.n_queries, kNumAttentionRowStats}, loss.options());
@@ -138,6 +169,9 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   TORCH_CHECK(grad_loss.device() == q_s.device() && row_stats.device() == q_s.device(),
               "attention_kl: grad_loss and row_stats must be on the inputs' device");
   const c10::cuda::CUDAGuard guard(q_s.device());
+  if (q_s.scalar_type() == at::kFloat) {
+    return chunked::attention_kl_backward(p, grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats);
+  }
   if (grad_loss.numel() == 0 || p.n_keys == 0 || k_s.numel() == 0) {
     return {at::zeros_like(q_s, at::MemoryFormat::Contiguous), at::zeros_like(k_s, at::MemoryFormat::Contiguous)};
   }

@@ -1,4 +1,5 @@
-"""Attention-distribution KL on CUDA (bfloat16 / float16 on tensor cores): values and gradients
+"""Attention-distribution KL on CUDA (bfloat16 / float16 on tensor cores; float32 and layout="bhnd" have
+their own files, test_attention_kl_float32.py and test_attention_kl_layout.py): values and gradients
 against the float64 reference for every option, on lengths that divide no tile, with the
 backward the device runs (on Hopper the fused TMA + wgmma kernel, or when deterministic a dq
 kernel beside the fused kernel's dk; elsewhere, and with NITROBREW_FORCE_SM80=1, the mma.sync
@@ -259,10 +260,13 @@ def test_dq_buffer_in_chunks(monkeypatch, forced_sm80, budget):
     check_attention(q_s, k_s, q_t, k_t, kind="reverse", causal=True, attention_mask=mask, reduction="none")
 
 
-def test_float32_inputs_are_a_clear_error():
-    q_s, k_s, q_t, k_t, _ = make_attention(device="cuda", dtype=torch.float32)
-    with pytest.raises(TypeError, match="bfloat16 or float16"):
+def test_float64_inputs_are_a_clear_error():
+    # float32 runs on CUDA (test_attention_kl_float32.py); float64 on the CPU only.
+    q_s, k_s, q_t, k_t, _ = make_attention(device="cuda", dtype=torch.float64)
+    with pytest.raises(TypeError, match="bfloat16 or float16 .* or float32"):
         nitrobrew.attention_kl(q_s, k_s, q_t, k_t)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 .* or float32"):
+        torch.ops.nitrobrew.attention_kl_fwd(q_s, k_s, q_t, k_t, None, "forward_kl", False, 1.0, 1.0, 1.0, False)
 
 
 def test_errors_of_the_cuda_op_reach_python():

@@ -2,7 +2,9 @@
 on Hopper the TMA + wgmma forward and backwards (head dims up to 128: the fused backward with its
 dq buffer, also chunked, and the deterministic dq kernel with the fused kernel's dk alone) and the mma.sync kernels for
 larger head dims; with NITROBREW_FORCE_SM80=1 the mma.sync forward, dk with atomic dq (also
-chunked), and dq and dk of the deterministic backward.
+chunked), and dq and dk of the deterministic backward. Also layout="bhnd" inputs, which every kernel
+family reads in place at their own strides (the TMA maps and the cp.async rows), and float32 inputs,
+which take the chunked ATen path (cuBLAS and ATen's kernels).
 
 The GPU runner (tools/gpu/check.sh sanitize) runs these tests under compute-sanitizer, memcheck and
 racecheck, on both kernel families:
@@ -51,3 +53,46 @@ def test_every_kernel_once(monkeypatch):
             if deterministic:
                 break  # no dq buffer
 
+
+
+def _force_sm80(monkeypatch, forced):
+    if forced:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+
+
+def test_bhnd_inputs_once(monkeypatch):
+    # [B, H, N, D] tensors read in place: contiguous ones, and the teacher's queries cut out of a packed
+    # [B, H, N, 2 D] projection (row stride 2 D); partial tiles, GQA on both sides.
+    dev, dtype = "cuda", torch.bfloat16
+    for forced, causal, deterministic in itertools.product([False, True], [False, True], [False, True]):
+        _force_sm80(monkeypatch, forced)
+        q_s = torch.randn(2, 4, 70, 64, device=dev, dtype=dtype, requires_grad=True)
+        k_s = torch.randn(2, 2, 45, 64, device=dev, dtype=dtype, requires_grad=True)
+        q_t = torch.randn(2, 4, 70, 2 * 48, device=dev, dtype=dtype)[..., :48]
+        k_t = torch.randn(2, 1, 45, 48, device=dev, dtype=dtype)
+        mask = torch.rand(2, 45, device=dev) > 0.2
+        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, kind="reverse" if causal else "forward", causal=causal,
+                                      attention_mask=mask, deterministic=deterministic, layout="bhnd")
+        grads = torch.autograd.grad(loss, (q_s, k_s))
+        torch.cuda.synchronize()
+        assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_float32_inputs_once():
+    # The chunked path: blocks of rows against all keys, causal (skipped blocks), key mask, GQA, head dims
+    # that are not multiples of 8; [B, N, H, D] and [B, H, N, D] inputs.
+    dev = "cuda"
+    for causal, layout in itertools.product([False, True], ["bnhd", "bhnd"]):
+        shape = (lambda b, n, h, d: (b, n, h, d)) if layout == "bnhd" else (lambda b, n, h, d: (b, h, n, d))
+        q_s = torch.randn(*shape(2, 70, 4, 20), device=dev, requires_grad=True)
+        k_s = torch.randn(*shape(2, 45, 2, 20), device=dev, requires_grad=True)
+        q_t = torch.randn(*shape(2, 70, 4, 13), device=dev)
+        k_t = torch.randn(*shape(2, 45, 1, 13), device=dev)
+        mask = torch.rand(2, 45, device=dev) > 0.2
+        loss = nitrobrew.attention_kl(q_s, k_s, q_t, k_t, kind="reverse", causal=causal, attention_mask=mask,
+                                      layout=layout)
+        grads = torch.autograd.grad(loss, (q_s, k_s))
+        torch.cuda.synchronize()
+        assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
