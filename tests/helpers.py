@@ -91,8 +91,10 @@ def check_against_reference(xs, xt, ws, wt, *, beta, upstream=None, k=2.0, rel_f
     if xs.device.type == "cuda" and xs.dtype in (torch.bfloat16, torch.float16):
         # The CUDA backward rounds dLoss/dz to the inputs' dtype before its tensor-core GEMMs
         # (as every tensor-core backward does), on top of rounding the gradients themselves;
-        # where the terms of a gradient cancel, that costs up to ~3.5x the output rounding.
-        k = max(k, 4.0)
+        # where the terms of a gradient cancel, that costs several times the output rounding: up to
+        # 4.06x in the randomized draws (seed 21 on the H100: dws, reverse KL at T = 0.36 with the CE
+        # add-on, bfloat16).
+        k = max(k, 5.0)
     same = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=same_dtype, beta=beta, **options)
     assert ours[0].dtype == same_dtype, f"loss dtype {ours[0].dtype}, expected {same_dtype}"
     assert ours[1].dtype == xs.dtype and ours[2].dtype == ws.dtype, "gradients must have the inputs' dtype"

@@ -12,7 +12,8 @@
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
-# FAMILIES="fused_linear logits" limits sanitize to those test folders.
+# FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
+# SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_out}
@@ -58,15 +59,16 @@ for step in $steps; do
     # instead of reaching Python. NITROBREW_BUILD_CXX overrides.
     build) run build env CXX="${NITROBREW_BUILD_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}" \
              python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
-    test) run test python3 -m pytest tests -q -x -k "cuda or soak" -p no:cacheprovider ;;
+    test) run test python3 -m pytest tests -q --maxfail=20 -k "cuda or soak" -p no:cacheprovider ;;
     # The sm_80 (mma.sync) kernels, forced on this GPU (the *_cuda.py files cover both themselves).
-    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q -x -k "cuda and not fused_linear_cuda" \
+    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q --maxfail=20 -k "cuda and not fused_linear_cuda" \
                  -p no:cacheprovider ;;
     sanitize)
-      sanitize memcheck
-      sanitize racecheck
-      SUFFIX=_sm80 sanitize memcheck NITROBREW_FORCE_SM80=1
-      SUFFIX=_sm80 sanitize racecheck NITROBREW_FORCE_SM80=1 ;;
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+        for path in ${SANITIZE_PATHS:-default sm80}; do
+          if [ "$path" = sm80 ]; then SUFFIX=_sm80 sanitize "$tool" NITROBREW_FORCE_SM80=1; else sanitize "$tool"; fi
+        done
+      done ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
