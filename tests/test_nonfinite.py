@@ -41,6 +41,17 @@ def check_rows(loss, grad, ref_loss, ref_grad, *, undefined: bool, tol: float):
     torch.testing.assert_close(grad[clean], ref_grad[clean], rtol=tol, atol=tol)
 
 
+def check_against_reference(ours, theirs, x, device, *, undefined):
+    """ours(x as float32 on device) against theirs(x in float64): the loss rows and dLoss/dx (check_rows)."""
+    a = x.float().to(device).requires_grad_()
+    loss = ours(a)
+    (grad,) = torch.autograd.grad(loss, a, torch.ones_like(loss))
+    ref_in = x.clone().requires_grad_()
+    ref = theirs(ref_in)
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+    check_rows(loss, grad, ref, ref_grad, undefined=undefined, tol=_float_tol(device))
+
+
 def _float_tol(device):
     return 1e-4 if device == "cpu" else 2e-3  # float32 inputs; the CUDA products may round more
 
@@ -80,13 +91,9 @@ def test_logits(device, beta, case):
         undefined = False
     else:
         undefined = _spoil_logits(case, zs, zt)
-    a = zs.float().to(device).requires_grad_()
-    loss = LOGIT_LOSSES[beta](a, zt.float().to(device), reduction="none")
-    (grad,) = torch.autograd.grad(loss, a, torch.ones_like(loss))
-    ref_in = zs.clone().requires_grad_()
-    ref = reference.logits(ref_in, zt, beta=beta, reduction="none")
-    (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
-    check_rows(loss, grad, ref, ref_grad, undefined=undefined, tol=_float_tol(device))
+    check_against_reference(lambda a: LOGIT_LOSSES[beta](a, zt.float().to(device), reduction="none"),
+                            lambda a: reference.logits(a, zt, beta=beta, reduction="none"),
+                            zs, device, undefined=undefined)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
@@ -143,14 +150,10 @@ def test_topk_from_logits(device, normalize, case):
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         zs[BAD, ids[BAD, 0]] = NAN
-    a = zs.float().to(device).requires_grad_()
-    loss = nitrobrew.logits.topk_kl(a, ids.to(device), lps.float().to(device), normalize=normalize,
-                                    reduction="none")
-    (grad,) = torch.autograd.grad(loss, a, torch.ones_like(loss))
-    ref_in = zs.clone().requires_grad_()
-    ref = reference.topk_logits(ref_in, ids, lps, normalize=normalize, reduction="none")
-    (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
-    check_rows(loss, grad, ref, ref_grad, undefined=undefined, tol=_float_tol(device))
+    check_against_reference(lambda a: nitrobrew.logits.topk_kl(a, ids.to(device), lps.float().to(device), normalize=normalize,
+                                    reduction="none"),
+                            lambda a: reference.topk_logits(a, ids, lps, normalize=normalize, reduction="none"),
+                            zs, device, undefined=undefined)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
@@ -161,14 +164,10 @@ def test_topk_from_hidden_states(device, normalize, case):
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         xs[BAD, 1] = NAN
-    a = xs.float().to(device).requires_grad_()
-    loss = nitrobrew.topk_kl(a, ws.float().to(device), ids.to(device), lps.float().to(device),
-                             normalize=normalize, reduction="none")
-    (grad,) = torch.autograd.grad(loss, a, torch.ones_like(loss))
-    ref_in = xs.clone().requires_grad_()
-    ref = reference.topk_linear(ref_in, ws, ids, lps, normalize=normalize, reduction="none")
-    (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
-    check_rows(loss, grad, ref, ref_grad, undefined=undefined, tol=_float_tol(device))
+    check_against_reference(lambda a: nitrobrew.topk_kl(a, ws.float().to(device), ids.to(device), lps.float().to(device),
+                             normalize=normalize, reduction="none"),
+                            lambda a: reference.topk_linear(a, ws, ids, lps, normalize=normalize, reduction="none"),
+                            xs, device, undefined=undefined)
 
 
 # ----------------------------------------------------------------------- fused-linear -----
@@ -182,14 +181,10 @@ def test_fused_linear(device, beta, case):
     ws, wt = torch.randn(V, D, generator=g, dtype=torch.float64), torch.randn(V, D + 8, generator=g,
                                                                                dtype=torch.float64)
     {"nan in xs": xs, "nan in xt": xt, "+inf in xs": xs}[case][BAD, 1] = INF if "inf" in case else NAN
-    a = xs.float().to(device).requires_grad_()
-    loss = LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
-                               reduction="none")
-    (grad,) = torch.autograd.grad(loss, a, torch.ones_like(loss))
-    ref_in = xs.clone().requires_grad_()
-    ref = reference.fused_linear(ref_in, xt, ws, wt, beta=beta, reduction="none")
-    (ref_grad,) = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
-    check_rows(loss, grad, ref, ref_grad, undefined=True, tol=_float_tol(device))
+    check_against_reference(lambda a: LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
+                               reduction="none"),
+                            lambda a: reference.fused_linear(a, xt, ws, wt, beta=beta, reduction="none"),
+                            xs, device, undefined=True)
 
 
 # ------------------------------------------- ids and labels out of range, checks skipped -----

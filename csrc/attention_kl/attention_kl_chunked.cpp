@@ -214,12 +214,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_backward(const AttentionKLParams
                                                          const c10::optional<at::Tensor>& key_mask,
                                                          const at::Tensor& row_stats, int64_t score_block_bytes) {
   const at::ScalarType dtype = compute_dtype(q_s);
-  TORCH_CHECK(grad_loss.dim() == 3 && grad_loss.size(0) == p.batch && grad_loss.size(1) == p.heads &&
-                  grad_loss.size(2) == p.n_queries,
-              "attention_kl: grad_loss must be [B, H, N_q], got ", grad_loss.sizes());
-  TORCH_CHECK(row_stats.dim() == 4 && row_stats.size(0) == p.batch && row_stats.size(1) == p.heads &&
-                  row_stats.size(2) == p.n_queries && row_stats.size(3) == kNumAttentionRowStats,
-              "attention_kl: row_stats must be [B, H, N_q, 5] as the forward returns it, got ", row_stats.sizes());
+  check_attention_kl_backward_inputs(grad_loss, row_stats, p, q_s.device());
   at::Tensor dq = at::zeros(q_s.sizes(), q_s.options().dtype(dtype));
   at::Tensor dk_acc = at::zeros({p.batch, p.key_heads_s, p.n_keys, p.dim_s}, dq.options());
   if (grad_loss.numel() > 0 && p.n_keys > 0) {

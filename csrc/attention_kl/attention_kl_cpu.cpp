@@ -209,11 +209,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cpu(const at::Tensor& grad_l
                                                         bool /*deterministic: always*/) {
   const AttentionKLParams p =
       make_attention_kl_params(q_s, k_s, q_t, k_t, key_mask, divergence, causal, scale_s, scale_t, temperature);
-  TORCH_CHECK(grad_loss.dim() == 3 && grad_loss.size(0) == p.batch && grad_loss.size(1) == p.heads &&
-                  grad_loss.size(2) == p.n_queries,
-              "attention_kl: grad_loss must be [B, H, N_q], got ", grad_loss.sizes());
-  TORCH_CHECK(row_stats.dim() == 4 && row_stats.size(3) == kNumAttentionRowStats,
-              "attention_kl: row_stats must be [B, H, N_q, 5] as the forward returns it, got ", row_stats.sizes());
+  check_attention_kl_backward_inputs(grad_loss, row_stats, p, q_s.device());
   const auto acc = q_s.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor dq = at::zeros(q_s.sizes(), q_s.options().dtype(acc));
   at::Tensor dk = at::zeros(k_s.sizes(), k_s.options().dtype(acc));

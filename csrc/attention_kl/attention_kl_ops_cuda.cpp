@@ -160,14 +160,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kl_bwd_cuda(const at::Tensor& grad_
   const AttentionKLParams p =
       make_attention_kl_params(q_s, k_s, q_t, k_t, key_mask, divergence, causal, scale_s, scale_t, temperature);
   check_cuda_inputs(q_s, p);
-  TORCH_CHECK(grad_loss.dim() == 3 && grad_loss.size(0) == p.batch && grad_loss.size(1) == p.heads &&
-                  grad_loss.size(2) == p.n_queries,
-              "attention_kl: grad_loss must be [B, H, N_q], got ", grad_loss.sizes());
-  TORCH_CHECK(row_stats.dim() == 4 && row_stats.size(0) == p.batch && row_stats.size(1) == p.heads &&
-                  row_stats.size(2) == p.n_queries && row_stats.size(3) == kNumAttentionRowStats,
-              "attention_kl: row_stats must be [B, H, N_q, 5] as the forward returns it, got ", row_stats.sizes());
-  TORCH_CHECK(grad_loss.device() == q_s.device() && row_stats.device() == q_s.device(),
-              "attention_kl: grad_loss and row_stats must be on the inputs' device");
+  check_attention_kl_backward_inputs(grad_loss, row_stats, p, q_s.device());
   const c10::cuda::CUDAGuard guard(q_s.device());
   if (q_s.scalar_type() == at::kFloat) {
     return chunked::attention_kl_backward(p, grad_loss, q_s, k_s, q_t, k_t, key_mask, row_stats);

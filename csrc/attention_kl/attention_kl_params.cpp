@@ -64,4 +64,16 @@ AttentionKLParams make_attention_kl_params(const at::Tensor& q_s, const at::Tens
   return p;
 }
 
+void check_attention_kl_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats,
+                                        const AttentionKLParams& p, const at::Device& device) {
+  TORCH_CHECK(grad_loss.dim() == 3 && grad_loss.size(0) == p.batch && grad_loss.size(1) == p.heads &&
+                  grad_loss.size(2) == p.n_queries,
+              "attention_kl: grad_loss must be [B, H, N_q], got ", grad_loss.sizes());
+  TORCH_CHECK(row_stats.dim() == 4 && row_stats.size(0) == p.batch && row_stats.size(1) == p.heads &&
+                  row_stats.size(2) == p.n_queries && row_stats.size(3) == kNumAttentionRowStats,
+              "attention_kl: row_stats must be [B, H, N_q, 5] as the forward returns it, got ", row_stats.sizes());
+  TORCH_CHECK(grad_loss.device() == device && row_stats.device() == device,
+              "attention_kl: grad_loss and row_stats must be on the inputs' device");
+}
+
 }  // namespace nitrobrew

@@ -34,4 +34,8 @@ AttentionKLParams make_attention_kl_params(const at::Tensor& q_s, const at::Tens
                                            c10::string_view divergence, bool causal, double scale_s, double scale_t,
                                            double temperature);
 
+// The backward's grad_loss [B, H, N_q] and the forward's row_stats [B, H, N_q, 5], on the inputs' device.
+void check_attention_kl_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& row_stats,
+                                        const AttentionKLParams& p, const at::Device& device);
+
 }  // namespace nitrobrew
