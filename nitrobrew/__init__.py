@@ -4,11 +4,11 @@
     loss = nitrobrew.forward_kl(xs, xt, ws, wt, temperature=2.0, labels=labels)
 """
 
-from nitrobrew import logits
+from nitrobrew import hf, logits
 from nitrobrew.attention_kl import attention_kl
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.modules import DistillationLoss
 from nitrobrew.topk_linear import topk_kl
 
 __version__ = "0.1.0"
-__all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl", "attention_kl", "logits", "DistillationLoss"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl", "attention_kl", "logits", "hf", "DistillationLoss"]

@@ -1,0 +1,204 @@
+"""Distillation losses for Hugging Face causal language models, computed without the [B, T, V] logits.
+
+    loss = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=mask)
+
+runs both decoders without their `lm_head` (the teacher without gradients) and hands the final hidden
+states and the unembeddings to nitrobrew's fused losses. It equals the loss computed from the models'
+own `.logits` with Hugging Face's causal shift: position n's distributions are scored where
+`labels[:, n + 1] != ignore_index`, or with `labels=None` where `attention_mask[:, n + 1] == 1` (every
+position but the last without a mask).
+
+`unembedding(model)` is the piece underneath, for users who run the decoders themselves: the matrix
+that turns a model's final hidden state into logits, and the transform the model applies to them.
+
+transformers is an optional dependency: this module imports none of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch import Tensor
+
+from nitrobrew import _checks
+from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
+
+__all__ = ["Unembedding", "unembedding", "distillation_loss"]
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unembedding:
+    """How a causal LM turns its final hidden state h into logits:
+    `softcap(scale * (h @ weight.T + bias))`, with softcap(z) = cap * tanh(z / cap) when `softcap` is set.
+
+    weight: the `lm_head` weight [V_rows, D] (tied or not); bias: its bias [V_rows] or None;
+    scale: a multiplier of the logits (Cohere's `logit_scale`, 1 / Granite's `logits_scaling`, ...; 1.0 for
+    most families);
+    softcap: Gemma-2/3's `final_logit_softcapping`, or None."""
+
+    weight: Tensor
+    bias: Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+def _config_number(config, *names):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def unembedding(model) -> Unembedding:
+    """The unembedding of a Hugging Face causal LM (`*ForCausalLM`, also under torch.compile or PEFT):
+    its output embedding's weight and bias, and the family's logit transform read from its config
+    (`final_logit_softcapping`, `logit_scale`, `logits_scaling`). Raises a ValueError for a model
+    without a linear output embedding."""
+    model = _unwrapped(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) whose weight nitrobrew "
+                         f"can read; got {type(head).__name__}")
+    if getattr(head, "lora_A", None) is not None or type(head).__name__.startswith("Lora"):
+        raise ValueError("the lm_head itself is adapted (LoRA on the output embedding): nitrobrew reads the "
+                         "lm_head's weight and would miss the adapter; keep lm_head out of target_modules")
+    config = _text_config(model.config)
+    # Multipliers of the logits before any soft-cap: Cohere's logit_scale, Muse Glimmer's output_multiplier,
+    # Falcon-H1's lm_head_multiplier; Granite and MiniCPM3 divide by logits_scaling, HyperCLOVA X multiplies.
+    scale = _config_number(config, "logit_scale", "output_multiplier", "lm_head_multiplier")
+    if scale is None:
+        scaling = _config_number(config, "logits_scaling")
+        if scaling is not None:
+            scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1.0 / scaling
+    return Unembedding(weight=weight, bias=getattr(head, "bias", None), scale=1.0 if scale is None else scale,
+                       softcap=_config_number(config, "final_logit_softcapping"))
+
+
+def _unwrapped(model):
+    """The transformers model under torch.compile's and PEFT's wrappers."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def _decoder(model):
+    model = _unwrapped(model)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder to run without its lm_head "
+                         f"(get_decoder() gave {type(decoder).__name__})")
+    return decoder
+
+
+def _final_hidden_states(model, input_ids, attention_mask, **kwargs) -> Tensor:
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+# Models whose unembedding was checked against their own logits once (nitrobrew.hf never trusts a config
+# alone: a family with a transform it does not know fails the check instead of giving a wrong loss).
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
+    inner = _unwrapped(model)
+    if inner in _CHECKED:
+        return
+    probe = input_ids[:1, : min(input_ids.shape[1], 8)]
+    training = {m: m.training for m in inner.modules()}
+    inner.eval()  # no dropout: the two forwards below must see the same network
+    try:
+        with torch.no_grad():
+            own = inner(input_ids=probe, use_cache=False).logits.float()
+            h = _final_hidden_states(inner, probe, None).float()
+    finally:
+        for m, flag in training.items():
+            m.training = flag
+    z = h @ u.weight.float().T
+    if u.bias is not None:
+        z = z + u.bias.float()
+    z = z * u.scale
+    if u.softcap is not None:
+        z = u.softcap * torch.tanh(z / u.softcap)
+    tol = 1e-2 if u.weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    err = (z - own).abs().max().item()
+    if not err <= tol * max(1.0, own.abs().max().item()):
+        raise ValueError(
+            f"{type(inner).__name__}: its logits are not softcap(scale * (h @ lm_head.T + bias)) with the transform "
+            f"nitrobrew read from its config (scale {u.scale}, softcap {u.softcap}); max difference {err:.3g}. "
+            f"This model family transforms its logits in a way nitrobrew.hf does not know yet")
+    _CHECKED[inner] = True
+
+
+def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor:
+    """[B, T - 1] int64 labels of the shifted positions: position n's target is token n + 1, or
+    ignore_index where it is not scored."""
+    if labels is not None:
+        _checks.tensor(labels, "labels")
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        return labels[:, 1:].long()
+    targets = input_ids[:, 1:].long()
+    if attention_mask is None:
+        return targets
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    return torch.where(attention_mask[:, 1:] != 0, targets, torch.full_like(targets, ignore_index))
+
+
+def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                      labels: Tensor | None = None, loss: str = "forward_kl", beta: float = 0.5,
+                      temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
+                      vocab_size: int | None = None, ignore_index: int = -100, check: bool = True) -> Tensor:
+    """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final
+    hidden states and unembeddings: no [B, T, V] tensor is formed.
+
+    loss: "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd" (generalized, with `beta`).
+    Scored positions follow Hugging Face's causal shift (position n predicts token n + 1): where
+    `labels[:, n + 1] != ignore_index`, else where `attention_mask[:, n + 1] == 1`, else every position
+    but the last. ce_weight > 0 adds the student's cross-entropy at `labels[:, n + 1]` (or the next
+    token). reduction "none" returns [B, T - 1], aligned with the shifted positions (0 where not scored).
+    vocab_size: the real vocabulary when the two lm_heads have different row counts (padding).
+    check: verify once per model that its unembedding reproduces its own logits (a short forward of 8
+    tokens); a family whose logit transform nitrobrew does not know raises instead of a wrong loss.
+    The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    _checks.tensor(input_ids, "input_ids")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2 (a position and its next token), "
+                         f"got {tuple(input_ids.shape)}")
+    u_s, u_t = unembedding(student), unembedding(teacher)
+    if u_s.weight.shape[0] != u_t.weight.shape[0] and vocab_size is None:
+        raise ValueError(f"the student's lm_head has {u_s.weight.shape[0]} rows and the teacher's "
+                         f"{u_t.weight.shape[0]}: pass vocab_size, the size of the shared tokenizer's vocabulary")
+    for name, u in (("student", u_s), ("teacher", u_t)):
+        if u.bias is not None or u.scale != 1.0:
+            raise NotImplementedError(
+                f"the {name}'s logits have {'an lm_head bias' if u.bias is not None else f'a logit scale {u.scale}'}: "
+                f"nitrobrew's kernels do not take these yet (planned: bias_s / bias_t and logit_scale_s / _t)")
+    if check:
+        _check_against_own_logits(student, u_s, input_ids)
+        _check_against_own_logits(teacher, u_t, input_ids)
+    targets = _scored_positions(input_ids, attention_mask, labels, ignore_index)
+    h_s = _final_hidden_states(student, input_ids, attention_mask)[:, :-1]
+    with torch.no_grad():
+        h_t = _final_hidden_states(teacher, input_ids, attention_mask)[:, :-1]
+    options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
+                   ce_weight=ce_weight, softcap_s=u_s.softcap, softcap_t=u_t.softcap, vocab_size=vocab_size)
+    if loss == "jsd":
+        return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
+    fn = forward_kl if loss == "forward_kl" else reverse_kl
+    return fn(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), **options)

@@ -1,0 +1,262 @@
+"""nitrobrew.hf against the same loss computed from the models' own `.logits` with Hugging Face's causal
+shift: values and student-parameter gradients, on tiny models built here (no hub downloads). Skipped
+without transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nitrobrew
+from nitrobrew import reference
+
+transformers = pytest.importorskip("transformers")
+
+V = 96
+BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.4}
+
+
+def tiny(family: str, *, hidden: int, vocab: int = V, seed: int = 0, **extra):
+    """A randomly initialized causal LM of `family` with 2 layers."""
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, **extra),
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True, **extra),
+        "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=hidden // 4, final_logit_softcapping=3.0,
+                                                    **extra),
+        "cohere": lambda: transformers.CohereConfig(**common, logit_scale=0.5, **extra),
+        "granite": lambda: transformers.GraniteConfig(**common, logits_scaling=4.0, **extra),
+        "phi": lambda: transformers.PhiConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                              **extra),
+    }
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family]())
+    with torch.no_grad():  # logits of a useful spread (random init gives nearly uniform distributions)
+        head = model.get_output_embeddings()
+        head.weight.mul_(8.0)
+    return model.float()
+
+
+def batch(b=3, t=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V, (b, t), generator=g)
+    attention_mask = torch.ones(b, t, dtype=torch.int64)
+    attention_mask[1, 7:] = 0  # right padding
+    attention_mask[2, :3] = 0  # left padding
+    return input_ids, attention_mask
+
+
+def reference_loss(student, teacher, input_ids, *, attention_mask=None, labels=None, loss="forward_kl", beta=0.5,
+                   temperature=1.0, reduction="mean", ce_weight=0.0, vocab_size=None, ignore_index=-100):
+    """The loss from the models' own logits (materialized), in float64, with the causal shift."""
+    zs = student(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+    with torch.no_grad():
+        zt = teacher(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
+    if vocab_size is not None:
+        zs, zt = zs[..., :vocab_size], zt[..., :vocab_size]
+    if labels is not None:
+        targets = labels[:, 1:]
+    elif attention_mask is not None:
+        targets = torch.where(attention_mask[:, 1:] != 0, input_ids[:, 1:], ignore_index)
+    else:
+        targets = input_ids[:, 1:]
+    b = beta if loss == "jsd" else BETAS[loss]
+    rows = reference.logits(zs, zt, beta=b, temperature=temperature, reduction="none", labels=targets,
+                            ignore_index=ignore_index, dtype=None)
+    if ce_weight:
+        ce = F.cross_entropy(zs.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="none")
+        rows = rows + ce_weight * ce.view_as(rows)
+    scored = targets != ignore_index
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / scored.sum().clamp(min=1)
+
+
+def values_and_grads(fn, student):
+    student.zero_grad(set_to_none=True)
+    value = fn()
+    (value if value.dim() == 0 else value.sum()).backward()
+    return value.detach().double(), {n: p.grad.detach().clone() for n, p in student.named_parameters()
+                                     if p.grad is not None}
+
+
+def assert_same(ours, theirs, rtol=2e-4, atol=2e-6):
+    (v_ours, g_ours), (v_ref, g_ref) = ours, theirs
+    torch.testing.assert_close(v_ours, v_ref, rtol=rtol, atol=atol)
+    assert g_ours.keys() == g_ref.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_ours[name].double(), g_ref[name].double(), rtol=rtol, atol=atol * 10,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
+def test_equals_the_loss_from_the_models_own_logits(family, loss):
+    student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
+    input_ids, attention_mask = batch()
+    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_labels_ce_weight_and_reductions(reduction):
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=2)
+    input_ids, attention_mask = batch()
+    labels = input_ids.clone()
+    labels[0, :4] = -100  # a prompt that is not scored
+    labels[attention_mask == 0] = -100
+    options = dict(attention_mask=attention_mask, labels=labels, ce_weight=0.3, reduction=reduction)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
+    assert_same(ours, theirs)
+    if reduction == "none":
+        assert ours[0].shape == (3, 10) and (ours[0][labels[:, 1:] == -100] == 0).all()
+
+
+def test_without_a_mask_every_position_but_the_last_is_scored():
+    student, teacher = tiny("qwen2", hidden=32), tiny("qwen2", hidden=32, seed=3)
+    input_ids, _ = batch()
+    rows = nitrobrew.hf.distillation_loss(student, teacher, input_ids, reduction="none")
+    assert rows.shape == (3, 10) and (rows > 0).all()
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids), student)
+    assert_same(ours, theirs)
+
+
+def test_padded_vocabularies_need_vocab_size():
+    student, teacher = tiny("llama", hidden=32, vocab=V + 8), tiny("llama", hidden=32, seed=4)
+    input_ids, attention_mask = batch()
+    with pytest.raises(ValueError, match="pass vocab_size"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids)
+    options = dict(attention_mask=attention_mask, vocab_size=V)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
+    assert_same(ours, theirs)
+
+
+def test_gradient_checkpointing():
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=5)
+    input_ids, attention_mask = batch()
+    plain = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids,
+                                                                    attention_mask=attention_mask), student)
+    (getattr(student, "activation_checkpointing_enable", None) or student.gradient_checkpointing_enable)()
+    student.train()
+    checkpointed = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids,
+                                                                           attention_mask=attention_mask), student)
+    assert_same(checkpointed, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_teacher_gets_no_gradient():
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=6)
+    input_ids, _ = batch()
+    nitrobrew.hf.distillation_loss(student, teacher, input_ids).backward()
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+@pytest.mark.parametrize("family", ["cohere", "granite"])
+def test_logit_scales_are_read_from_the_config(family):
+    model = tiny(family, hidden=32)
+    u = nitrobrew.hf.unembedding(model)
+    assert u.scale == (0.5 if family == "cohere" else 0.25) and u.bias is None and u.softcap is None
+    input_ids, _ = batch()
+    h = model.get_decoder()(input_ids=input_ids).last_hidden_state
+    torch.testing.assert_close(u.scale * (h @ u.weight.T), model(input_ids=input_ids).logits)
+
+
+@pytest.mark.parametrize("family, what", [("cohere", "logit scale"), ("granite", "logit scale"),
+                                          ("phi", "lm_head bias")])
+def test_transforms_the_kernels_lack_are_a_clear_error(family, what):
+    student, teacher = tiny(family, hidden=32), tiny(family, hidden=32, seed=7)
+    input_ids, _ = batch()
+    with pytest.raises(NotImplementedError, match=what):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids)
+
+
+def test_an_unknown_logit_transform_is_caught_by_the_check():
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=32, seed=8)
+    original = type(teacher).forward
+
+    def forward(self, *args, **kwargs):  # a family that halves its logits without saying so in its config
+        out = original(self, *args, **kwargs)
+        out.logits = out.logits / 2
+        return out
+
+    teacher.forward = forward.__get__(teacher)
+    with pytest.raises(ValueError, match="does not know yet"):
+        nitrobrew.hf.distillation_loss(student, teacher, batch()[0])
+
+
+def test_bad_arguments():
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=32, seed=9)
+    input_ids, attention_mask = batch()
+    with pytest.raises(ValueError, match="loss must be one of"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, loss="kl")
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\] with T >= 2"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids[:, :1])
+    with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask[:, :5])
+    with pytest.raises(ValueError, match="no linear output embedding"):
+        nitrobrew.hf.unembedding(torch.nn.Linear(3, 4))
+
+
+def test_a_compiled_student():
+    # torch.compile(student) wraps the model; nitrobrew.hf reads the unembedding and runs the decoder of
+    # the model underneath.
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=10)
+    input_ids, attention_mask = batch()
+    compiled = torch.compile(student)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(compiled, teacher, input_ids,
+                                                                   attention_mask=attention_mask), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, attention_mask=attention_mask),
+                              student)
+    assert_same(ours, theirs)
+
+
+def test_a_peft_lora_student():
+    peft = pytest.importorskip("peft")
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=11)
+    input_ids, attention_mask = batch()
+    lora = peft.get_peft_model(student, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(lora, teacher, input_ids,
+                                                                   attention_mask=attention_mask), lora)
+    theirs = values_and_grads(lambda: reference_loss(lora, teacher, input_ids, attention_mask=attention_mask), lora)
+    assert_same(ours, theirs)
+    assert any("lora" in name for name in ours[1])
+    adapted_head = peft.get_peft_model(tiny("llama", hidden=32), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="the lm_head itself is adapted"):
+        nitrobrew.hf.distillation_loss(adapted_head, teacher, input_ids)
+
+
+def test_trl_gkd_trainer_gives_trl_s_loss():
+    # nitrobrew.trl.GKDTrainer.compute_loss against TRL's own on the same batch, with and without
+    # num_items_in_batch; the trainer's state that compute_loss reads is set by hand (a full trainer
+    # needs a tokenizer and a dataset, which a hub-free test has not).
+    pytest.importorskip("trl")
+    import types
+
+    from trl.experimental.gkd import GKDTrainer as TRLGKDTrainer
+
+    from nitrobrew.trl import GKDTrainer
+
+    student, teacher = tiny("qwen2", hidden=32), tiny("qwen2", hidden=64, seed=12)
+    input_ids, attention_mask = batch()
+    labels = input_ids.clone()
+    labels[:, :4] = -100  # the prompt
+    labels[attention_mask == 0] = -100
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    for beta in (0.0, 0.3, 1.0):
+        for items in (None, torch.tensor(40)):
+            state = types.SimpleNamespace(teacher_model=teacher, beta=beta,
+                                          accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+                                          generalized_jsd_loss=TRLGKDTrainer.generalized_jsd_loss)
+            ours = values_and_grads(lambda: GKDTrainer.compute_loss(state, student, inputs,
+                                                                    num_items_in_batch=items), student)
+            theirs = values_and_grads(lambda: TRLGKDTrainer.compute_loss(state, student, inputs,
+                                                                         num_items_in_batch=items), student)
+            assert_same(ours, theirs)

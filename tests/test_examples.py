@@ -1,0 +1,26 @@
+"""Smoke runs of examples/: each runs end to end on the CPU in seconds, with its own assertions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name, *args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args, "--out", str(tmp_path), "--quiet"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_distill_hf(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_example("distill_hf.py", "--teacher-steps", "60", "--steps", "40", tmp_path=tmp_path)
+    assert "held-out KL" in out and (tmp_path / "loss.csv").exists()
