@@ -7,6 +7,7 @@ is then trained on the teacher alone with `nitrobrew.hf.distillation_loss`, neve
 student's KL to the teacher on held-out text fell.
 
     python examples/distill_hf.py                 # CPU, seconds (the CI smoke run)
+    python examples/distill_hf.py --attention 0.5 # plus the KL of attention maps (student layer i <- teacher 2i+1)
     python examples/distill_hf.py --full --device cuda --dtype bfloat16   # larger models, longer text
 
 Needs transformers (and matplotlib for the plot, tqdm for the progress bar, both optional).
@@ -64,6 +65,18 @@ def held_out_kl(student, teacher, text: torch.Tensor) -> float:
     return nitrobrew.hf.distillation_loss(student, teacher, text).item()
 
 
+def distill_with_attention(student, teacher, text, args):
+    """The logit-level loss plus args.attention x the attention-map KL of each student layer i against
+    teacher layer 2i + 1, captured during the models' own forward passes (nitrobrew.hf.capture_attention)."""
+    layer_map = {i: 2 * i + 1 for i in range(student.config.num_hidden_layers)}
+    with nitrobrew.hf.capture_attention(student, layer_map.keys()) as s, \
+            nitrobrew.hf.capture_attention(teacher, layer_map.values()) as t:
+        logit_loss = nitrobrew.hf.distillation_loss(student, teacher, text, loss=args.loss, check=False)
+    attention_loss = nitrobrew.hf.attention_distillation_loss(s, t, layer_map)
+    distill_with_attention.last = attention_loss.item()
+    return logit_loss + args.attention * attention_loss
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="larger models and text (use a GPU)")
@@ -72,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--teacher-steps", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="distillation steps")
     parser.add_argument("--loss", default="forward_kl", choices=["forward_kl", "reverse_kl", "jsd"])
+    parser.add_argument("--attention", type=float, default=0.0,
+                        help="weight of an attention-map KL between student layer i and teacher layer 2i + 1")
     parser.add_argument("--out", type=Path, default=Path("distill_hf_out"))
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -108,7 +123,10 @@ def main(argv=None) -> int:
     bar = progress(range(steps), f"distill ({args.loss})", not args.quiet)
     for step in bar:
         text = sample_text(chain, size["batch"], size["length"], g).to(device)
-        loss = nitrobrew.hf.distillation_loss(student, teacher, text, loss=args.loss)
+        if args.attention > 0:
+            loss = distill_with_attention(student, teacher, text, args)
+        else:
+            loss = nitrobrew.hf.distillation_loss(student, teacher, text, loss=args.loss)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -119,6 +137,8 @@ def main(argv=None) -> int:
             print(f"step {step}: loss {losses[-1]:.4f}")
     after = held_out_kl(student, teacher, held_out)
     print(f"student: held-out KL(teacher || student) {before:.4f} -> {after:.4f} nats per token")
+    if args.attention > 0:
+        print(f"attention-map KL of the last step: {distill_with_attention.last:.5f} nats per query row")
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loss.csv").write_text("step,loss\n" + "".join(f"{i},{v:.6f}\n" for i, v in enumerate(losses)))

@@ -10,6 +10,7 @@ position but the last without a mask).
 
 `unembedding(model)` is the piece underneath, for users who run the decoders themselves: the matrix
 that turns a model's final hidden state into logits, and the transform the model applies to them.
+`capture_attention` and `attention_distillation_loss` (hf_attention.py) distill attention maps.
 
 transformers is an optional dependency: this module imports none of it.
 """
@@ -24,8 +25,10 @@ from torch import Tensor
 
 from nitrobrew import _checks
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
+from nitrobrew.hf_attention import CapturedAttention, attention_distillation_loss, capture_attention
 
-__all__ = ["Unembedding", "unembedding", "distillation_loss"]
+__all__ = ["Unembedding", "unembedding", "distillation_loss", "capture_attention", "attention_distillation_loss",
+           "CapturedAttention"]
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 

@@ -20,7 +20,9 @@ def run_example(name, *args, tmp_path):
     return result.stdout
 
 
-def test_distill_hf(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--attention", "0.5"]], ids=["logits", "attention"])
+def test_distill_hf(tmp_path, extra):
     pytest.importorskip("transformers")
-    out = run_example("distill_hf.py", "--teacher-steps", "60", "--steps", "40", tmp_path=tmp_path)
+    out = run_example("distill_hf.py", "--teacher-steps", "60", "--steps", "40", *extra, tmp_path=tmp_path)
     assert "held-out KL" in out and (tmp_path / "loss.csv").exists()
+    assert ("attention-map KL" in out) == bool(extra)
