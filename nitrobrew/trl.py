@@ -1,19 +1,26 @@
-"""TRL's GKD trainer with nitrobrew's loss: the same generalized JSD from the models' hidden states,
-without the [B, T, V] logits of either model. Switching is one line:
+"""TRL's distillation trainers with nitrobrew's loss: the same generalized JSD from the models' hidden
+states, without the [B, T, V] logits of either model. Switching is one line:
 
-    from nitrobrew.trl import GKDTrainer      # instead of: from trl.experimental.gkd import GKDTrainer
+    from nitrobrew.trl import GKDTrainer            # instead of: from trl.experimental.gkd import GKDTrainer
+    from nitrobrew.trl import DistillationTrainer   # instead of: from trl import DistillationTrainer
 
-Needs TRL (an optional dependency); `import nitrobrew` never imports this module.
+Needs TRL (an optional dependency, tested with 1.16.0); `import nitrobrew` never imports this module.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
+from trl import DistillationTrainer as _TRLDistillationTrainer
 from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
+from trl.trainer import distillation_trainer as _distillation_module
 
 from nitrobrew import hf
+from nitrobrew.fused_linear import jsd
 
-__all__ = ["GKDTrainer"]
+__all__ = ["GKDTrainer", "DistillationTrainer"]
 
 
 class GKDTrainer(_TRLGKDTrainer):
@@ -36,3 +43,54 @@ class GKDTrainer(_TRLGKDTrainer):
             count = num_items_in_batch
             loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)
         return loss
+
+
+def _divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                     completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
+                     teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                     student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
+    """TRL's _chunked_divergence_loss contract on nitrobrew.jsd: (loss, student entropy sum, valid count).
+    nitrobrew does not compute the student's entropy: its sum is NaN (TRL logs it, nothing trains on it)."""
+    for name, bias, scale in (("student", student_lm_head_bias, student_logit_scale),
+                              ("teacher", teacher_lm_head_bias, teacher_logit_scale)):
+        if bias is not None or scale != 1.0:
+            raise NotImplementedError(f"the {name}'s logits have an lm_head bias or a logit scale: nitrobrew's "
+                                      f"kernels do not take these yet")
+    weights = []
+    for weight in (student_lm_head_weight, teacher_lm_head_weight):
+        if isinstance(weight, torch.distributed.tensor.DTensor):  # FSDP2: gathered once, as TRL does
+            weight = weight.full_tensor()
+        weights.append(weight.to(student_hidden_states.dtype))
+    valid = completion_mask != 0
+    labels = torch.where(valid, 0, -100).long()  # a mask only (no CE add-on): any id serves for the kept rows
+    loss_sum = jsd(student_hidden_states, teacher_hidden_states.to(student_hidden_states.dtype), weights[0],
+                   weights[1], beta=beta, temperature=temperature, labels=labels, reduction="sum",
+                   softcap_s=student_final_logit_softcapping, softcap_t=teacher_final_logit_softcapping)
+    n_valid = valid.sum()
+    if num_items_in_batch is None:
+        loss = loss_sum / n_valid.clamp(min=1)
+    else:
+        count = num_items_in_batch
+        loss = loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
+    return loss, torch.full((), math.nan, device=loss.device), n_valid
+
+
+class DistillationTrainer(_TRLDistillationTrainer):
+    """trl.DistillationTrainer whose divergence (TRL's chunked generalized JSD over the completion tokens,
+    with `beta` and `temperature`) is computed by nitrobrew.jsd from the same hidden states. Generation,
+    masks and the reduction are TRL's; the logged student entropy is NaN (nitrobrew does not form it)."""
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        with _swapped(_distillation_module, "_chunked_divergence_loss", _divergence_loss):
+            return _TRLDistillationTrainer._compute_loss(self, unwrapped_student, inputs, num_items_in_batch)
+
+
+@contextlib.contextmanager
+def _swapped(module, name, value):
+    """TRL's _compute_loss calls a module-level function; it is replaced for the call only."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)

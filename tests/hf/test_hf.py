@@ -260,3 +260,29 @@ def test_trl_gkd_trainer_gives_trl_s_loss():
             theirs = values_and_grads(lambda: TRLGKDTrainer.compute_loss(state, student, inputs,
                                                                          num_items_in_batch=items), student)
             assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature):
+    # nitrobrew.trl.DistillationTrainer._compute_loss against TRL's on the same prompts and completions,
+    # with the trainer's state that _compute_loss reads set by hand (a full trainer generates).
+    pytest.importorskip("trl")
+    import types
+
+    from trl import DistillationTrainer as TRLDistillationTrainer
+
+    from nitrobrew.trl import DistillationTrainer
+
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=64, seed=13)
+    input_ids, attention_mask = batch()
+    inputs = dict(prompt_ids=input_ids[:, :4], prompt_mask=attention_mask[:, :4], completion_ids=input_ids[:, 4:],
+                  completion_mask=attention_mask[:, 4:])
+    state = types.SimpleNamespace(teacher_model=teacher, beta=beta, temperature=temperature, model_kwarg_keys=(),
+                                  _is_vlm=False, accelerator=types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True),
+                                  _forward_redirection=lambda wrapped, unwrapped, fn, *args, **kw: fn(*args, **kw))
+    state._get_last_hidden_state = types.MethodType(TRLDistillationTrainer._get_last_hidden_state, state)
+    for items in (None, torch.tensor(30)):
+        ours = values_and_grads(lambda: DistillationTrainer._compute_loss(state, student, inputs, items)[0], student)
+        theirs = values_and_grads(lambda: TRLDistillationTrainer._compute_loss(state, student, inputs, items)[0],
+                                  student)
+        assert_same(ours, theirs)
