@@ -134,9 +134,11 @@ def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
     z = z * u.scale
     if u.softcap is not None:
         z = u.softcap * torch.tanh(z / u.softcap)
-    tol = 1e-2 if u.weight.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    # 2% of the largest logit: a Trainer's mixed precision (accelerate wraps the model's forward in autocast)
+    # rounds the model's own logits to bfloat16, while the transforms this guards against (a scale, a
+    # soft-cap, an offset) move them by far more.
     err = (z - own).abs().max().item()
-    if not err <= tol * max(1.0, own.abs().max().item()):
+    if not err <= 2e-2 * max(1.0, own.abs().max().item()):
         raise ValueError(
             f"{type(inner).__name__}: its logits are not softcap(scale * (h @ lm_head.T + bias)) with the transform "
             f"nitrobrew read from its config (scale {u.scale}, softcap {u.softcap}); max difference {err:.3g}. "

@@ -286,3 +286,48 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature):
         theirs = values_and_grads(lambda: TRLDistillationTrainer._compute_loss(state, student, inputs, items)[0],
                                   student)
         assert_same(ours, theirs)
+
+
+def _word_tokenizer():
+    """A fast word-level tokenizer over V words with a chat template, made here (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "user", "assistant"] + [f"t{i}" for i in range(V - 6)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="<eos>", bos_token="<bos>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    return fast
+
+
+def test_trl_gkd_trainer_trains_as_trl_s(tmp_path, monkeypatch):
+    # A real GKDTrainer run (off-policy, lmbda = 0): nitrobrew's trainer and TRL's log the same losses
+    # step by step from the same models and data.
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig
+    from trl.experimental.gkd import GKDTrainer as TRLGKDTrainer
+
+    from nitrobrew.trl import GKDTrainer
+
+    g = torch.Generator().manual_seed(0)
+
+    def words(n):
+        return " ".join(f"t{int(i)}" for i in torch.randint(0, V - 6, (n,), generator=g))
+
+    data = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": words(5)},
+                                                     {"role": "assistant", "content": words(7)}] for _ in range(12)]})
+    losses = {}
+    for name, trainer_class in (("nitrobrew", GKDTrainer), ("trl", TRLGKDTrainer)):
+        args = GKDConfig(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=4, lmbda=0.0,
+                         beta=0.3, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
+                         max_length=32, seed=0, disable_tqdm=True)
+        trainer = trainer_class(model=tiny("llama", hidden=32), teacher_model=tiny("llama", hidden=64, seed=14),
+                                args=args, train_dataset=data, processing_class=_word_tokenizer())
+        trainer.train()
+        losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses["trl"]) == 3
+    torch.testing.assert_close(torch.tensor(losses["nitrobrew"]), torch.tensor(losses["trl"]), rtol=1e-4, atol=1e-7)
