@@ -26,3 +26,10 @@ def test_distill_hf(tmp_path, extra):
     out = run_example("distill_hf.py", "--teacher-steps", "60", "--steps", "40", *extra, tmp_path=tmp_path)
     assert "held-out KL" in out and (tmp_path / "loss.csv").exists()
     assert ("attention-map KL" in out) == bool(extra)
+
+
+def test_distill_trl(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("trl")
+    out = run_example("distill_trl.py", tmp_path=tmp_path)
+    assert "held-out KL" in out

@@ -4,6 +4,9 @@ without transformers."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,17 +292,11 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature):
 
 
 def _word_tokenizer():
-    """A fast word-level tokenizer over V words with a chat template, made here (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """The word-level tokenizer of examples/distill_trl.py, over V words."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from distill_trl import word_tokenizer
 
-    words = ["<pad>", "<eos>", "<bos>", "<unk>", "user", "assistant"] + [f"t{i}" for i in range(V - 6)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                                eos_token="<eos>", bos_token="<bos>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}assistant {% endif %}")
-    return fast
+    return word_tokenizer(V)
 
 
 def test_trl_gkd_trainer_trains_as_trl_s(tmp_path, monkeypatch):
