@@ -160,3 +160,22 @@ def check_attention(q_s, k_s, q_t, k_t, *, k=2.0, rel_floor=None, loss_floor=0.0
         assert_close_to_oracle(a, o, s, k=k, rel_floor=floor, abs_floor=loss_floor if name == "loss" else 0.0,
                                what=name)
     return ours, oracle
+
+
+def force_sm80(monkeypatch, forced: bool) -> None:
+    """NITROBREW_FORCE_SM80=1 (the mma.sync kernels everywhere) or unset, for this test."""
+    if forced:
+        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+
+
+def assert_compiled_gradients_match(step, q_s, k_s, **compile_options) -> None:
+    """step(q_s, k_s) -> loss under torch.compile(fullgraph=True) gives eager's gradients."""
+    compiled = torch.compile(step, fullgraph=True, **compile_options)
+    a, b = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+    compiled(a, b).backward()
+    a_ref, b_ref = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
+    step(a_ref, b_ref).backward()
+    torch.testing.assert_close(a.grad, a_ref.grad)
+    torch.testing.assert_close(b.grad, b_ref.grad)

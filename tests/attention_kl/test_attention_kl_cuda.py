@@ -13,7 +13,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA, DEV_BUILD
-from helpers import GQA, KINDS, check_attention, make_attention
+from helpers import GQA, KINDS, check_attention, force_sm80, make_attention
 
 pytestmark = CUDA
 
@@ -23,14 +23,6 @@ def launched_kernels(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def force_sm80(monkeypatch, forced):
-    """NITROBREW_FORCE_SM80=1 (the mma.sync kernels everywhere) or unset, for this test."""
-    if forced:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
 
 
 @pytest.mark.parametrize("forced_sm80", [False, True])

@@ -10,7 +10,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA, DEVICES
-from helpers import KINDS, make_attention
+from helpers import KINDS, assert_compiled_gradients_match, force_sm80, make_attention
 
 
 def to_bhnd(*tensors):
@@ -73,10 +73,7 @@ def test_query_mask_and_mean_with_bhnd(device):
 def test_cuda_bhnd_equals_bnhd(monkeypatch, forced_sm80, deterministic, dtype, causal, gqa, d_s, d_t):
     # Head dims: Hopper's TMA kernels (up to 128), the mma.sync ones (200), and 20 / 44, which are padded
     # to multiples of 8 (a copy). Lengths that divide no tile. Bitwise equal where dq has one writer.
-    if forced_sm80:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    force_sm80(monkeypatch, forced_sm80)
     q_s, k_s, q_t, k_t, mask = make_attention(b=2, n_q=137, n_k=201, heads=4, gqa=gqa, d_s=d_s, d_t=d_t,
                                               masked=True, dtype=dtype, device="cuda")
     assert_same_as_bnhd(*to_bhnd(q_s, k_s, q_t, k_t), exact=deterministic, kind="reverse" if causal else "forward",
@@ -123,10 +120,7 @@ def test_cuda_reads_bhnd_inputs_without_a_copy(monkeypatch, forced_sm80):
     # dq, dk and a float32 dq buffer (16 MiB in all) and the per-row data (under 1 MiB); copies of the
     # inputs would add 16 MiB more. The control: with head dim 100 (not a multiple of 8) the inputs
     # must be copied (padded to 104), and the same measure sees it.
-    if forced_sm80:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    force_sm80(monkeypatch, forced_sm80)
 
     def inputs(d):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -184,10 +178,4 @@ def test_bhnd_through_torch_compile():
     def step(q_s, k_s):
         return nitrobrew.attention_kl(q_s, k_s, q_t, k_t, causal=True, attention_mask=mask, layout="bhnd")
 
-    compiled = torch.compile(step, fullgraph=True)
-    a, b = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
-    compiled(a, b).backward()
-    a_ref, b_ref = q_s.clone().requires_grad_(), k_s.clone().requires_grad_()
-    step(a_ref, b_ref).backward()
-    torch.testing.assert_close(a.grad, a_ref.grad)
-    torch.testing.assert_close(b.grad, b_ref.grad)
+    assert_compiled_gradients_match(step, q_s, k_s)

@@ -20,6 +20,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
+from helpers import force_sm80
 
 pytestmark = [CUDA, pytest.mark.sanitize]
 DEV_KNOBS = os.environ.get("NITROBREW_DEV_KNOBS") == "1"
@@ -55,19 +56,12 @@ def test_every_kernel_once(monkeypatch):
 
 
 
-def _force_sm80(monkeypatch, forced):
-    if forced:
-        monkeypatch.setenv("NITROBREW_FORCE_SM80", "1")
-    else:
-        monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
-
-
 def test_bhnd_inputs_once(monkeypatch):
     # [B, H, N, D] tensors read in place: contiguous ones, and the teacher's queries cut out of a packed
     # [B, H, N, 2 D] projection (row stride 2 D); partial tiles, GQA on both sides.
     dev, dtype = "cuda", torch.bfloat16
     for forced, causal, deterministic in itertools.product([False, True], [False, True], [False, True]):
-        _force_sm80(monkeypatch, forced)
+        force_sm80(monkeypatch, forced)
         q_s = torch.randn(2, 4, 70, 64, device=dev, dtype=dtype, requires_grad=True)
         k_s = torch.randn(2, 2, 45, 64, device=dev, dtype=dtype, requires_grad=True)
         q_t = torch.randn(2, 4, 70, 2 * 48, device=dev, dtype=dtype)[..., :48]

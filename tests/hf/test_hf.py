@@ -204,6 +204,10 @@ def test_bad_arguments():
         nitrobrew.hf.distillation_loss(student, teacher, input_ids[:, :1])
     with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):
         nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask[:, :5])
+    with pytest.raises(ValueError, match="labels must have input_ids' shape"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, labels=input_ids[:, 1:])
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, labels=[1, 2])
     with pytest.raises(ValueError, match="no linear output embedding"):
         nitrobrew.hf.unembedding(torch.nn.Linear(3, 4))
 

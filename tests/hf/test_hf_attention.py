@@ -91,3 +91,5 @@ def test_errors():
         nitrobrew.hf.attention_distillation_loss(s, t, {0: 0})
     with pytest.raises(KeyError, match="layer pair 0 -> 1"):
         nitrobrew.hf.attention_distillation_loss(s, t, {0: 1})
+    with pytest.raises(ValueError, match="layer_map must pair at least one"):
+        nitrobrew.hf.attention_distillation_loss(s, t, {})
