@@ -60,6 +60,38 @@ def _nitrobrew(xs, xt, ws, wt, *, loss, reduction):
     return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra)
 
 
+_BIASES = {}
+
+
+def _model_options(ws, wt, *, bias, scale):
+    """lm_head biases (the student's trained, as a model's is) and logit multipliers for the
+    nitrobrew_bias / nitrobrew_scale methods: what these options cost against plain nitrobrew."""
+    options = {}
+    if bias:
+        key = (ws.shape[0], wt.shape[0], ws.dtype, ws.device)
+        if key not in _BIASES:
+            _BIASES[key] = (torch.randn(ws.shape[0], dtype=ws.dtype, device=ws.device).requires_grad_(),
+                            torch.randn(wt.shape[0], dtype=wt.dtype, device=wt.device))
+        options.update(bias_s=_BIASES[key][0], bias_t=_BIASES[key][1])
+    if scale:
+        options.update(logit_scale_s=0.0625, logit_scale_t=0.25)  # Cohere's; Granite's 1 / logits_scaling
+    return options
+
+
+@method("nitrobrew_bias")
+def _nitrobrew_bias(xs, xt, ws, wt, *, loss, reduction):
+    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra,
+                                    **_model_options(ws, wt, bias=True, scale=False))
+
+
+@method("nitrobrew_scale")
+def _nitrobrew_scale(xs, xt, ws, wt, *, loss, reduction):
+    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra,
+                                    **_model_options(ws, wt, bias=False, scale=True))
+
+
 @method("naive")
 def _naive(xs, xt, ws, wt, *, loss, reduction):
     # dtype=None keeps the inputs' dtype: both [N, V] logit matrices are materialized, as plain PyTorch does.

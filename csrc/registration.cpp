@@ -14,22 +14,25 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(nitrobrew, m) {
-  // Fused-linear distillation (fused_linear/), forward. Student logits softcap_s(xs . ws^T) /
-  // temperature, teacher logits likewise, over the first vocab_size rows of ws and wt.
+  // Fused-linear distillation (fused_linear/), forward. Student logits
+  // softcap_s(logit_scale_s * (xs . ws^T + bias_s)) / temperature, teacher logits likewise, over the
+  // first vocab_size rows of ws and wt (biases [V_rows] in the weights' dtype, or None).
   // Returns (loss [N], row_stats [N, 7]) in float32 (float64 for float64 inputs); the
   // columns of row_stats are listed by RowStat in divergence/row_stats.h. Rows whose label
   // is ignore_index get zeros.
   m.def(
-      "fused_linear_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, "
-      "int ignore_index, str divergence, float beta, float temperature, float ce_weight, float? softcap_s, "
-      "float? softcap_t, int vocab_size, int chunk_v) -> (Tensor, Tensor)");
+      "fused_linear_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
+      "Tensor? bias_t, int ignore_index, str divergence, float beta, float temperature, float ce_weight, "
+      "float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, int vocab_size, "
+      "int chunk_v) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient and the forward's per-row
-  // statistics, returns (dxs, dws); each is an empty tensor when not requested.
+  // statistics, returns (dxs, dws, dbias_s); each is an empty tensor when not requested.
   m.def(
       "fused_linear_bwd(Tensor grad_loss, Tensor xs, Tensor xt, Tensor ws, Tensor wt, "
-      "Tensor? labels, Tensor row_stats, int ignore_index, "
+      "Tensor? labels, Tensor? bias_s, Tensor? bias_t, Tensor row_stats, int ignore_index, "
       "str divergence, float beta, float temperature, float ce_weight, float? softcap_s, float? softcap_t, "
-      "int vocab_size, int chunk_v, bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
+      "float logit_scale_s, float logit_scale_t, int vocab_size, int chunk_v, bool compute_dxs, "
+      "bool compute_dws, bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
 
   // Distillation from logits (logits/, nitrobrew.logits), forward: the fused-linear losses from the
   // [N, V] logits zs, zt themselves (entries of -inf allowed: they have probability 0). Same outputs
@@ -58,18 +61,21 @@ TORCH_LIBRARY(nitrobrew, m) {
       "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize) -> Tensor");
 
   // Top-K teacher distillation from the student's hidden states xs [N, D] and unembedding ws [V, D]
-  // (topk_linear/): the loss of topk_logits_fwd for the logits xs . ws^T, never formed: "full" walks
-  // the vocabulary online (chunk_v wide on the CPU, 0 = automatic) for the log-normalizer and picks
-  // the K logits out of its tiles; "topk" takes the K logits as dot products with gathered rows of ws. Returns loss [N] (float32, float64 for float64
-  // inputs) and row_stats [N, 4 + K] (float64: TopKRowStat, then the K student logits).
+  // (topk_linear/): the loss of topk_logits_fwd for the logits logit_scale_s * (xs . ws^T + bias_s),
+  // never formed: "full" walks the vocabulary online (chunk_v wide on the CPU, 0 = automatic) for the
+  // log-normalizer and picks the K logits out of its tiles; "topk" takes the K logits as dot products
+  // with gathered rows of ws. Returns loss [N] (float32, float64 for float64 inputs) and row_stats
+  // [N, 4 + K] (float64: TopKRowStat, then the K student logits).
   m.def(
       "topk_linear_fwd(Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
-      "int ignore_index, float temperature, bool renormalize, int chunk_v) -> (Tensor, Tensor)");
-  // Recompute backward: (dxs, dws), each an empty tensor when not requested.
+      "Tensor? bias_s, int ignore_index, float temperature, float logit_scale_s, bool renormalize, "
+      "int chunk_v) -> (Tensor, Tensor)");
+  // Recompute backward: (dxs, dws, dbias_s), each an empty tensor when not requested.
   m.def(
       "topk_linear_bwd(Tensor grad_loss, Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, "
-      "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize, int chunk_v, "
-      "bool compute_dxs, bool compute_dws) -> (Tensor, Tensor)");
+      "Tensor? labels, Tensor? bias_s, Tensor row_stats, int ignore_index, float temperature, "
+      "float logit_scale_s, bool renormalize, int chunk_v, bool compute_dxs, bool compute_dws, "
+      "bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
 
   // Attention-distribution KL (attention_kl/), forward. Layout [B, N, H, D]; scores
   // scale * q.k / temperature per model, keys hidden by key_mask ([B, N_k] bool, true = attended)

@@ -180,3 +180,19 @@ def autocast_inputs(*tensors):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def bias(value, weight: Tensor, name: str, weight_name: str) -> Tensor | None:
+    """An lm_head bias: None, or a floating [V_rows] tensor on the weight's device (one entry per row of
+    the weight), returned in the weight's dtype (a differentiable cast, so a float32 bias under
+    autocast still gets its gradient)."""
+    if value is None:
+        return None
+    tensor(value, name)
+    floating(value, name)
+    if value.dim() != 1 or value.shape[0] != weight.shape[0]:
+        raise ValueError(f"{name} must be [V] with one entry per row of {weight_name} ({weight.shape[0]}), got shape "
+                         f"{tuple(value.shape)}")
+    if value.device != weight.device:
+        raise ValueError(f"{name} must be on {weight_name}'s device {weight.device}, got {value.device}")
+    return value.to(weight.dtype)

@@ -77,8 +77,10 @@ def register_recompute_op(
         tensors = args[:n_tensors]
         needs = args[len(args) - len(differentiable):] if needs_flags else (True,) * len(differentiable)
         torch._check(grad_loss.dim() >= 1, lambda: "grad_loss must hold one entry per row")
+        # An optional input (None) gets an empty gradient like one not wanted, in the first input's dtype.
         grads = tuple(
-            torch.empty_like(tensors[i], memory_format=torch.contiguous_format) if need else tensors[i].new_empty((0,))
+            torch.empty_like(tensors[i], memory_format=torch.contiguous_format) if need and tensors[i] is not None
+            else (tensors[i] if tensors[i] is not None else tensors[0]).new_empty((0,))
             for i, need in zip(differentiable, needs)
         )
         return grads[0] if len(grads) == 1 else grads

@@ -1,16 +1,16 @@
 """Distillation losses computed from hidden states and unembedding matrices.
 
-For each token n, with student logits s = softcap_s(xs[n] @ ws.T) / temperature and teacher
-logits t = softcap_t(xt[n] @ wt.T) / temperature over the first `vocab_size` rows of the
-weights, p = softmax(s) (student) and q = softmax(t) (teacher):
+For each token n, with student logits s = softcap_s(logit_scale_s * (xs[n] @ ws.T + bias_s)) / temperature
+and teacher logits t = softcap_t(logit_scale_t * (xt[n] @ wt.T + bias_t)) / temperature over the first
+`vocab_size` rows of the weights (bias and logit scale optional: lm_head biases, Cohere's or Granite's
+logit multipliers), p = softmax(s) (student) and q = softmax(t) (teacher):
 
     forward_kl:  KL(q || p) = sum(q * (log q - log p))
     reverse_kl:  KL(p || q) = sum(p * (log p - log q))
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
                  (beta = 0 is forward_kl, beta = 1 is reverse_kl)
 
-plus, with ce_weight > 0, ce_weight * cross_entropy(softcap_s(xs[n] @ ws.T), labels[n]) at
-temperature 1. The [tokens x vocab] logits are never written to memory: the kernels tile the
+plus, with ce_weight > 0, ce_weight * cross_entropy of the student's logits at temperature 1 at labels[n]. The [tokens x vocab] logits are never written to memory: the kernels tile the
 vocabulary, reduce each tile into per-token running statistics and recompute the tiles in the
 backward pass. nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
 """
@@ -32,7 +32,7 @@ __all__ = ["forward_kl", "reverse_kl", "jsd"]
 NUM_ROW_STATS = 7
 
 
-def _fake_forward(xs, xt, ws, wt, labels, *options):
+def _fake_forward(xs, xt, ws, wt, labels, bias_s, bias_t, *options):
     torch._check(xs.dim() == 2 and xt.dim() == 2, lambda: "xs and xt must be 2-D")
     torch._check(ws.dim() == 2 and wt.dim() == 2, lambda: "ws and wt must be 2-D")
     torch._check(xs.shape[0] == xt.shape[0], lambda: "xs and xt must have the same number of rows")
@@ -41,8 +41,10 @@ def _fake_forward(xs, xt, ws, wt, labels, *options):
     return row_outputs(xs, xs.shape[0], NUM_ROW_STATS)
 
 
-# fused_linear_fwd(xs, xt, ws, wt, labels, *options); gradients to xs and ws (the teacher's xt, wt get none).
-register_recompute_op("fused_linear", n_tensors=5, differentiable=(0, 2), fake_forward=_fake_forward, needs_flags=True)
+# fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *options); gradients to xs, ws and bias_s (the
+# teacher's xt, wt, bias_t get none).
+register_recompute_op("fused_linear", n_tensors=7, differentiable=(0, 2, 5), fake_forward=_fake_forward,
+                      needs_flags=True)
 
 # Read once at import: torch.compile cannot trace the dispatcher query itself.
 _KERNEL_DEVICE_TYPES = kernel_device_types("fused_linear_fwd")
@@ -82,6 +84,10 @@ def _fused_linear_loss(
     softcap_s: float | None = None,
     softcap_t: float | None = None,
     vocab_size: int | None = None,
+    bias_s: Tensor | None = None,
+    bias_t: Tensor | None = None,
+    logit_scale_s: float = 1.0,
+    logit_scale_t: float = 1.0,
 ) -> Tensor:
     """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
@@ -116,6 +122,10 @@ def _fused_linear_loss(
             f"all four to its dtype"
         )
     _checks.kernel_device(xs.device, _KERNEL_DEVICE_TYPES)
+    bias_s = _checks.bias(bias_s, ws, "bias_s", "ws")
+    bias_t = _checks.bias(bias_t, wt, "bias_t", "wt")
+    logit_scale_s = _checks.positive_number(logit_scale_s, "logit_scale_s")
+    logit_scale_t = _checks.positive_number(logit_scale_t, "logit_scale_t")
     temperature = _checks.positive_number(temperature, "temperature")
     beta = _checks.unit_interval(beta, "beta")
     reduction = _checks.reduction(reduction)
@@ -133,15 +143,16 @@ def _fused_linear_loss(
 
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss, _ = ops.fused_linear_fwd(
-        xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt, flat_labels, ignore_index, divergence,
-        beta, temperature, ce_weight, softcap_s, softcap_t, vocab_size, chunk_V or 0,
+        xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt, flat_labels, bias_s, bias_t, ignore_index,
+        divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size,
+        chunk_V or 0,
     )
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
 
 
-_ARGUMENTS = """From hidden states and unembeddings: the student's logits are softcap_s(xs @ ws.T) / temperature,
-the teacher's softcap_t(xt @ wt.T) / temperature, over the first vocab_size rows of the weights; they
-are never written to memory.
+_ARGUMENTS = """From hidden states and unembeddings: the student's logits are
+softcap_s(logit_scale_s * (xs @ ws.T + bias_s)) / temperature, the teacher's likewise with xt, wt, bias_t,
+logit_scale_t and softcap_t, over the first vocab_size rows of the weights; they are never written to memory.
 
 Args:
     xs: [..., D_s] student hidden states. xt: [..., D_t] teacher hidden states, same leading shape.
@@ -156,8 +167,11 @@ Args:
     ce_weight: adds ce_weight * cross-entropy of the student's temperature-1 logits at labels.
     softcap_s, softcap_t: Gemma-style cap c * tanh(z / c) per model, before the temperature.
     vocab_size: real vocabulary entries when ws / wt are padded; rows past it are excluded.
+    bias_s, bias_t: [V] lm_head biases (one entry per row of ws / wt), or None.
+    logit_scale_s, logit_scale_t: positive multipliers of each model's logits, applied before the
+        soft-cap (Cohere's logit_scale, 1 / Granite's logits_scaling); 1.0 = none.
 
-Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs and ws.
+Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs, ws and bias_s.
 nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
 """
 

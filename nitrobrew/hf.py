@@ -189,11 +189,6 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     if u_s.weight.shape[0] != u_t.weight.shape[0] and vocab_size is None:
         raise ValueError(f"the student's lm_head has {u_s.weight.shape[0]} rows and the teacher's "
                          f"{u_t.weight.shape[0]}: pass vocab_size, the size of the shared tokenizer's vocabulary")
-    for name, u in (("student", u_s), ("teacher", u_t)):
-        if u.bias is not None or u.scale != 1.0:
-            raise NotImplementedError(
-                f"the {name}'s logits have {'an lm_head bias' if u.bias is not None else f'a logit scale {u.scale}'}: "
-                f"nitrobrew's kernels do not take these yet (planned: bias_s / bias_t and logit_scale_s / _t)")
     if check:
         _check_against_own_logits(student, u_s, input_ids)
         _check_against_own_logits(teacher, u_t, input_ids)
@@ -201,8 +196,10 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     h_s = _final_hidden_states(student, input_ids, attention_mask)[:, :-1]
     with torch.no_grad():
         h_t = _final_hidden_states(teacher, input_ids, attention_mask)[:, :-1]
+    bias_t = None if u_t.bias is None else u_t.bias.to(h_s.dtype)
     options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
-                   ce_weight=ce_weight, softcap_s=u_s.softcap, softcap_t=u_t.softcap, vocab_size=vocab_size)
+                   ce_weight=ce_weight, vocab_size=vocab_size, bias_s=u_s.bias, bias_t=bias_t,
+                   logit_scale_s=u_s.scale, logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap)
     if loss == "jsd":
         return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
     fn = forward_kl if loss == "forward_kl" else reverse_kl

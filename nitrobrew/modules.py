@@ -31,6 +31,8 @@ class DistillationLoss(nn.Module):
         softcap_t: float | None = None,
         vocab_size: int | None = None,
         chunk_V: int | None = None,
+        logit_scale_s: float = 1.0,
+        logit_scale_t: float = 1.0,
     ):
         super().__init__()
         if loss not in _LOSSES:
@@ -45,14 +47,19 @@ class DistillationLoss(nn.Module):
         _checks.optional_positive_number(softcap_t, "softcap_t")
         _checks.optional_positive_int(vocab_size, "vocab_size")
         _checks.optional_positive_int(chunk_V, "chunk_V")
+        _checks.positive_number(logit_scale_s, "logit_scale_s")
+        _checks.positive_number(logit_scale_t, "logit_scale_t")
         self.options = dict(
             temperature=temperature, reduction=reduction, ignore_index=ignore_index, ce_weight=ce_weight,
             softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,
+            logit_scale_s=logit_scale_s, logit_scale_t=logit_scale_t,
         )
 
-    def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None) -> Tensor:
+    def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None,
+                bias_s: Tensor | None = None, bias_t: Tensor | None = None) -> Tensor:
         beta = {"beta": self.beta} if self.loss == "jsd" else {}
-        return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, **beta, **self.options)
+        return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, bias_s=bias_s, bias_t=bias_t, **beta,
+                                                **self.options)
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -20,6 +20,15 @@ def _softcap(z: Tensor, cap: float | None) -> Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
+def model_logits(x: Tensor, w: Tensor, *, bias: Tensor | None = None, logit_scale: float = 1.0,
+                 softcap: float | None = None) -> Tensor:
+    """A model's logits from its final hidden states: softcap(logit_scale * (x @ w.T + bias))."""
+    z = x @ w.T
+    if bias is not None:
+        z = z + bias
+    return _softcap(z * logit_scale, softcap)
+
+
 def _nan_where(undefined: Tensor, loss: Tensor) -> Tensor:
     return torch.where(undefined, torch.full_like(loss, math.nan), loss)
 
@@ -73,15 +82,21 @@ def fused_linear(
     softcap_s: float | None = None,
     softcap_t: float | None = None,
     vocab_size: int | None = None,
+    bias_s: Tensor | None = None,
+    bias_t: Tensor | None = None,
+    logit_scale_s: float = 1.0,
+    logit_scale_t: float = 1.0,
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
     """What nitrobrew.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute, with the
     logits materialized in `dtype` (None: the inputs' dtype, as naive PyTorch would)."""
     if dtype is not None:
         xs, xt, ws, wt = (t.to(dtype) for t in (xs, xt, ws, wt))
+        bias_s, bias_t = (None if b is None else b.to(dtype) for b in (bias_s, bias_t))
     vocab_size = ws.shape[0] if vocab_size is None else vocab_size
-    zs = _softcap(xs @ ws[:vocab_size].T, softcap_s)  # [..., V]
-    zt = _softcap(xt @ wt[:vocab_size].T, softcap_t)
+    bias_s, bias_t = (None if b is None else b[:vocab_size] for b in (bias_s, bias_t))
+    zs = model_logits(xs, ws[:vocab_size], bias=bias_s, logit_scale=logit_scale_s, softcap=softcap_s)  # [..., V]
+    zt = model_logits(xt, wt[:vocab_size], bias=bias_t, logit_scale=logit_scale_t, softcap=softcap_t)
     loss = divergence_from_logits(zs / temperature, zt / temperature, beta)
     mask = torch.ones_like(loss, dtype=torch.bool) if labels is None else labels != ignore_index
     if ce_weight != 0.0:
@@ -177,11 +192,15 @@ def topk_logits(
 
 
 def topk_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *,
-                   dtype: torch.dtype | None = torch.float64, **options) -> Tensor:
-    """What nitrobrew.topk_kl computes: topk_logits of the materialized logits xs @ ws.T."""
+                bias_s: Tensor | None = None, logit_scale_s: float = 1.0,
+                dtype: torch.dtype | None = torch.float64, **options) -> Tensor:
+    """What nitrobrew.topk_kl computes: topk_logits of the materialized logits
+    logit_scale_s * (xs @ ws.T + bias_s)."""
     if dtype is not None:
         xs, ws = xs.to(dtype), ws.to(dtype)
-    return topk_logits(xs @ ws.T, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
+        bias_s = None if bias_s is None else bias_s.to(dtype)
+    zs = model_logits(xs, ws, bias=bias_s, logit_scale=logit_scale_s)
+    return topk_logits(zs, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
 
 
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,

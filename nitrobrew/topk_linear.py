@@ -1,8 +1,8 @@
 """Distillation against a teacher's top-K log-probabilities, from the student's hidden states.
 
 The teacher is what was stored offline: for each token, the ids of its K most likely tokens and their
-log-probabilities over its full vocabulary. The student's logits s = xs[n] @ ws.T / temperature are
-never written to memory: for normalize="full" a tiled online pass gives the log-normalizer over the
+log-probabilities over its full vocabulary. The student's logits
+s = logit_scale_s * (xs[n] @ ws.T + bias_s) / temperature are never written to memory: for normalize="full" a tiled online pass gives the log-normalizer over the
 vocabulary and picks the K logits out of its tiles, and the backward recomputes the tiles; for "topk"
 the K logits come from K gathered rows of ws. nitrobrew.logits.topk_kl
 computes the same loss from logits the caller holds.
@@ -25,14 +25,15 @@ __all__ = ["topk_kl"]
 NUM_TOPK_ROW_STATS = 4
 
 
-def _fake_forward(xs, ws, teacher_ids, teacher_logprobs, labels, *options):
+def _fake_forward(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, *options):
     torch._check(xs.dim() == 2 and ws.dim() == 2 and teacher_ids.dim() == 2,
                  lambda: "xs must be [N, D], ws [V, D] and teacher_ids [N, K]")
     return row_outputs(xs, xs.shape[0], NUM_TOPK_ROW_STATS + teacher_ids.shape[1], dtype=torch.float64)
 
 
-# topk_linear_fwd(xs, ws, teacher_ids, teacher_logprobs, labels, *options); gradients to xs and ws.
-register_recompute_op("topk_linear", n_tensors=5, differentiable=(0, 1), fake_forward=_fake_forward,
+# topk_linear_fwd(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, *options); gradients to xs, ws
+# and bias_s.
+register_recompute_op("topk_linear", n_tensors=6, differentiable=(0, 1, 5), fake_forward=_fake_forward,
                       needs_flags=True)
 
 _KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
@@ -40,7 +41,8 @@ _KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
 
 def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
-            ignore_index: int = -100, chunk_V: int | None = None) -> Tensor:
+            ignore_index: int = -100, chunk_V: int | None = None, bias_s: Tensor | None = None,
+            logit_scale_s: float = 1.0) -> Tensor:
     """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
 
     Args:
@@ -53,11 +55,13 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         temperature: divides the student's logits only.
         reduction, labels, ignore_index: as in nitrobrew.forward_kl.
         chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
+        bias_s: the student's [V] lm_head bias, or None. logit_scale_s: a positive multiplier of its logits
+            (Cohere's logit_scale, 1 / Granite's logits_scaling), before the temperature.
 
     The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
-    gradients flow to xs and ws. Ids outside [0, V) raise an IndexError naming the first one and its position
+    gradients flow to xs, ws and bias_s. Ids outside [0, V) raise an IndexError naming the first one and its position
     (on CUDA at the cost of a host synchronization; skipped while torch.compile traces or a CUDA graph
-    captures, where the CUDA kernels stop with a device-side assertion instead).
+    captures, where such a row's loss and gradient come out NaN instead).
     """
     for name, value in (("xs", xs), ("ws", ws)):
         _checks.tensor(value, name)
@@ -73,6 +77,8 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         raise TypeError(f"xs and ws must share one dtype, got {xs.dtype} and {ws.dtype} (or call under "
                         f"torch.autocast, which casts both to its dtype)")
     _checks.kernel_device(xs.device, _KERNEL_DEVICE_TYPES)
+    bias_s = _checks.bias(bias_s, ws, "bias_s", "ws")
+    logit_scale_s = _checks.positive_number(logit_scale_s, "logit_scale_s")
     temperature = _checks.positive_number(temperature, "temperature")
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, lead_shape, xs.device)
@@ -81,6 +87,6 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
     loss, _ = ops.topk_linear_fwd(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
-                                  teacher_logprobs.reshape(-1, k), flat_labels, ignore_index, temperature,
-                                  normalize == "topk", chunk_V or 0)
+                                  teacher_logprobs.reshape(-1, k), flat_labels, bias_s, ignore_index, temperature,
+                                  logit_scale_s, normalize == "topk", chunk_V or 0)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)

@@ -49,22 +49,20 @@ def _divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_he
                      completion_mask, beta, num_items_in_batch=None, student_lm_head_bias=None,
                      teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
                      student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
-    """TRL's _chunked_divergence_loss contract on nitrobrew.jsd: (loss, student entropy sum, valid count).
+    """TRL's _chunked_divergence_loss contract on nitrobrew.jsd: (loss, student entropy sum, valid count),
+    with TRL's logits scale * (h @ lm_head.T + bias), soft-capped, then divided by the temperature.
     nitrobrew does not compute the student's entropy: its sum is NaN (TRL logs it, nothing trains on it)."""
-    for name, bias, scale in (("student", student_lm_head_bias, student_logit_scale),
-                              ("teacher", teacher_lm_head_bias, teacher_logit_scale)):
-        if bias is not None or scale != 1.0:
-            raise NotImplementedError(f"the {name}'s logits have an lm_head bias or a logit scale: nitrobrew's "
-                                      f"kernels do not take these yet")
+    dtype = student_hidden_states.dtype
     weights = []
-    for weight in (student_lm_head_weight, teacher_lm_head_weight):
+    for weight in (student_lm_head_weight, teacher_lm_head_weight, student_lm_head_bias, teacher_lm_head_bias):
         if isinstance(weight, torch.distributed.tensor.DTensor):  # FSDP2: gathered once, as TRL does
             weight = weight.full_tensor()
-        weights.append(weight.to(student_hidden_states.dtype))
+        weights.append(None if weight is None else weight.to(dtype))
     valid = completion_mask != 0
     labels = torch.where(valid, 0, -100).long()  # a mask only (no CE add-on): any id serves for the kept rows
-    loss_sum = jsd(student_hidden_states, teacher_hidden_states.to(student_hidden_states.dtype), weights[0],
-                   weights[1], beta=beta, temperature=temperature, labels=labels, reduction="sum",
+    loss_sum = jsd(student_hidden_states, teacher_hidden_states.to(dtype), weights[0], weights[1], beta=beta,
+                   temperature=temperature, labels=labels, reduction="sum", bias_s=weights[2], bias_t=weights[3],
+                   logit_scale_s=student_logit_scale, logit_scale_t=teacher_logit_scale,
                    softcap_s=student_final_logit_softcapping, softcap_t=teacher_final_logit_softcapping)
     n_valid = valid.sum()
     if num_items_in_batch is None:

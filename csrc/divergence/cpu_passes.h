@@ -24,8 +24,9 @@ inline TilePlan plan_tiles(const DistillParams& p) { return plan_tiles(p.num_row
 template <typename acc_t, typename Source, typename Visitor>
 void walk_logit_tiles(Source& source, const DistillParams& p, const TilePlan& plan,
                       const at::TensorOptions& acc_options, Visitor& visitor) {
-  walk_logit_tiles<acc_t>(source, WalkShape{p.num_rows, p.vocab_size, p.softcap_s, p.softcap_t}, plan, acc_options,
-                          visitor);
+  walk_logit_tiles<acc_t>(source,
+                          WalkShape{p.num_rows, p.vocab_size, p.softcap_s, p.softcap_t, p.logit_scale_s, p.logit_scale_t},
+                          plan, acc_options, visitor);
 }
 
 // Rows whose label is ignore_index take no part in the loss.
@@ -202,9 +203,10 @@ std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::op
   return {loss, row_stats};
 }
 
-// Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place, and either
-// accumulates dxs += G . ws_tile and dws_tile = G^T . xs with the BLAS (fused-linear ops) or
-// writes G out as dzs (logit-level ops).
+// Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place (z: the product
+// x . w^T + bias before the logit scale, whose factor G includes), and either accumulates
+// dxs += G . ws_tile, dws_tile = G^T . xs and dbias += column sums of G with the BLAS (fused-linear
+// ops) or writes G out as dzs (logit-level ops).
 template <typename acc_t>
 struct GradientPass {
   const DistillParams& p;
@@ -217,6 +219,7 @@ struct GradientPass {
   at::Tensor dws;           // [V_rows, D_s] in the input dtype, or undefined
   at::Tensor dws_tile_acc;  // [vocab_tile, D_s]
   at::Tensor dzs;           // [N, V] (logit-level ops), or undefined
+  at::Tensor dbias_acc;     // [V_rows] in the accumulation dtype, or undefined
 
   void begin_vocab_tile(int64_t, int64_t cols) {
     if (dws.defined()) dws_tile_acc.narrow(0, 0, cols).zero_();
@@ -229,6 +232,7 @@ struct GradientPass {
     }
     const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
     const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
+    const acc_t g = grad[n] * static_cast<acc_t>(p.logit_scale_s);
     const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
     const int64_t y = label != nullptr ? label[n] - v0 : -1;
     const acc_t* row = stats + n * kNumRowStats;
@@ -250,7 +254,7 @@ struct GradientPass {
       }
       acc_t dz = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), row[kGradCenter]) * inv_t;
       if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(log_prob(z, norm_ce)) - acc_t(v == y ? 1 : 0));
-      zs[v] = grad[n] * dz * softcap_grad_from_capped(z, cap_s);
+      zs[v] = g * dz * softcap_grad_from_capped(z, cap_s);
     }
   }
 
@@ -259,6 +263,7 @@ struct GradientPass {
     if (dzs.defined()) dzs.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols).copy_(g);
     if (dxs_acc.defined()) dxs_acc.narrow(0, tile.r0, tile.rows).addmm_(g, tile.ws_tile);
     if (dws.defined()) dws_tile_acc.narrow(0, 0, tile.cols).addmm_(g.t(), tile.xs_rows);
+    if (dbias_acc.defined()) dbias_acc.narrow(0, tile.v0, tile.cols).add_(g.sum(0));
   }
 
   void end_vocab_tile(int64_t v0, int64_t cols) {

@@ -24,11 +24,27 @@ DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_
   p.inv_temperature = 1.0 / temperature;
   p.ce_weight = 0.0;
   p.softcap_s = p.softcap_t = 0.0;
+  p.logit_scale_s = p.logit_scale_t = 1.0;
   p.ignore_index = ignore_index;
   p.hidden_s = p.hidden_t = 0;
   p.chunk_v = 0;
   p.has_labels = labels.has_value();
   return p;
+}
+
+double checked_logit_scale(double scale, const char* name) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, name, " must be a positive number, got ", scale);
+  return scale;
+}
+
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& w, const char* name, const char* w_name) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), name, " must be [V] with one entry per row of ",
+              w_name, " (", w.size(0), "), got ", bias->sizes());
+  TORCH_CHECK(bias->scalar_type() == w.scalar_type(), name, " must have ", w_name, "'s dtype ", w.scalar_type(),
+              ", got ", bias->scalar_type());
+  TORCH_CHECK(bias->device() == w.device(), name, " must be on ", w_name, "'s device ", w.device(), ", got ",
+              bias->device());
 }
 
 void check_floating_matrix(const at::Tensor& t, const char* name) {

@@ -21,6 +21,8 @@ struct DistillParams {
   double ce_weight;        // weight of the hard-label cross-entropy add-on (0 = off)
   double softcap_s;        // 0 = no soft-capping
   double softcap_t;
+  double logit_scale_s;    // multiplier of the model's logits before the soft-cap (1 = none)
+  double logit_scale_t;
   int64_t ignore_index;
   int64_t num_rows;    // N
   int64_t hidden_s;    // D_s (0 for given logits)
@@ -39,6 +41,12 @@ Divergence parse_divergence(c10::string_view name, double beta);
 // params.cpp fills in the shapes and its extras.
 DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                  c10::string_view divergence, double beta, double temperature);
+
+// A multiplier of a model's logits (logit_scale_s / logit_scale_t): finite and > 0.
+double checked_logit_scale(double scale, const char* name);
+
+// An lm_head bias `name`, if given: [w.size(0)], w's dtype and device (w named `w_name` in the error).
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& w, const char* name, const char* w_name);
 
 // A 2-D float32, float64, bfloat16 or float16 tensor named `name`.
 void check_floating_matrix(const at::Tensor& t, const char* name);

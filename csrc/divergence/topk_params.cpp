@@ -38,6 +38,7 @@ TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int6
   TopKParams p;
   p.renormalize = renormalize;
   p.inv_temperature = 1.0 / temperature;
+  p.logit_scale = 1.0;
   p.ignore_index = ignore_index;
   p.num_rows = rows_of.size(0);
   p.vocab_size = vocab;

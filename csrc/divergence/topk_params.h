@@ -20,6 +20,7 @@ constexpr int kTopKLogitsColumn = kNumTopKRowStats;
 struct TopKParams {
   bool renormalize;  // normalize="topk": both distributions renormalized over the K ids
   double inv_temperature;
+  double logit_scale;  // multiplier of the student's logits (ops from hidden states; 1 = none)
   int64_t ignore_index;
   int64_t num_rows, vocab_size, k;
   int64_t hidden;   // D of xs and ws (ops from hidden states; 0 for the ops from logits)

@@ -48,6 +48,15 @@ NB_HOST_DEVICE T softcap(T z, T cap) {
   return cap > T(0) ? cap * tanh(z / cap) : z;
 }
 
+// A model's logit from its product x . w (plus bias): softcap(scale * z), the multiplier of
+// Cohere's logit_scale or Granite's 1 / logits_scaling applied before Gemma's soft-cap. Its gradient
+// with respect to z is scale * softcap_grad_from_capped: the backwards fold `scale` into the
+// upstream gradient of every row.
+template <typename T>
+NB_HOST_DEVICE T model_logit(T z, T scale, T cap) {
+  return softcap(scale == T(1) ? z : z * scale, cap);
+}
+
 // d softcap(z) / dz written in terms of the capped value y = c * tanh(z / c).
 template <typename T>
 NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include "../divergence/distill_params.h"
+#include "../engine/cuda/vocab_walk.cuh"
+#include "fused_linear_launch.h"
 
 namespace nitrobrew {
 namespace cuda {
@@ -19,13 +21,20 @@ struct FusedLinearArgs {
   int64_t n_rows, d_s, d_t, vocab_size;
   const int64_t* labels;  // nullptr without labels
   int64_t ignore_index;
-  float inv_temperature, softcap_s, softcap_t, ce_weight;
+  float inv_temperature, ce_weight;
+  ModelLogits<T> model_s, model_t;  // bias, logit scale and soft-cap per model
   DivergenceParams<float> div;
 };
 
 template <typename T>
-FusedLinearArgs<T> make_args(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
-                             const c10::optional<at::Tensor>& labels, const DistillParams& p) {
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+template <typename T>
+FusedLinearArgs<T> make_args(const FusedLinearOperands& in, const DistillParams& p) {
+  const at::Tensor &xs = in.xs, &xt = in.xt, &ws = in.ws, &wt = in.wt;
+  const c10::optional<at::Tensor>& labels = in.labels;
   FusedLinearArgs<T> a;
   a.xs = reinterpret_cast<const T*>(xs.data_ptr());
   a.xt = reinterpret_cast<const T*>(xt.data_ptr());
@@ -42,8 +51,8 @@ FusedLinearArgs<T> make_args(const at::Tensor& xs, const at::Tensor& xt, const a
   a.labels = labels.has_value() ? labels->data_ptr<int64_t>() : nullptr;
   a.ignore_index = p.ignore_index;
   a.inv_temperature = static_cast<float>(p.inv_temperature);
-  a.softcap_s = static_cast<float>(p.softcap_s);
-  a.softcap_t = static_cast<float>(p.softcap_t);
+  a.model_s = {data_or_null<T>(in.bias_s), static_cast<float>(p.logit_scale_s), static_cast<float>(p.softcap_s)};
+  a.model_t = {data_or_null<T>(in.bias_t), static_cast<float>(p.logit_scale_t), static_cast<float>(p.softcap_t)};
   a.ce_weight = static_cast<float>(p.ce_weight);
   a.div = divergence_params<float>(p);
   return a;

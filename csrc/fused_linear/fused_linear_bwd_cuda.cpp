@@ -15,29 +15,31 @@ namespace nitrobrew {
 namespace cuda {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> fused_linear_bwd_cuda(
-    const at::Tensor& grad_loss, const at::Tensor& xs_in, const at::Tensor& xt_in, const at::Tensor& ws_in,
-    const at::Tensor& wt_in, const c10::optional<at::Tensor>& labels_in, const at::Tensor& row_stats_in,
-    int64_t ignore_index, c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
-    c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v, bool compute_dxs, bool compute_dws) {
-  const DistillParams p = make_fused_linear_params(xs_in, xt_in, ws_in, wt_in, labels_in, ignore_index, divergence, beta,
-                                                       temperature, ce_weight, softcap_s, softcap_t, vocab_size,
-                                                       chunk_v);
-  TORCH_CHECK(xs_in.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_bwd_cuda(
+    const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, const at::Tensor& row_stats_in, int64_t ignore_index,
+    c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v,
+    bool compute_dxs, bool compute_dws, bool compute_dbias_s) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
+  TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == p.num_rows, "grad_loss must be [N] = [", p.num_rows,
               "], got ", grad_loss.sizes());
   TORCH_CHECK(row_stats_in.dim() == 2 && row_stats_in.size(0) == p.num_rows && row_stats_in.size(1) == kNumRowStats,
               "row_stats must be [N, ", int(kNumRowStats), "] as the forward returns it, got ", row_stats_in.sizes());
-  TORCH_CHECK(grad_loss.device() == xs_in.device() && row_stats_in.device() == xs_in.device(),
-              "grad_loss and row_stats must be on ", xs_in.device());
-  const c10::cuda::CUDAGuard guard(xs_in.device());
-  const at::Tensor xs = unit_stride_rows(xs_in), xt = unit_stride_rows(xt_in);
-  const at::Tensor ws = unit_stride_rows(ws_in), wt = unit_stride_rows(wt_in);
-  const c10::optional<at::Tensor> labels =
-      labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
+  TORCH_CHECK(grad_loss.device() == xs.device() && row_stats_in.device() == xs.device(),
+              "grad_loss and row_stats must be on ", xs.device());
+  const c10::cuda::CUDAGuard guard(xs.device());
+  const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);
   const at::Tensor row_stats = row_stats_in.to(at::kFloat).contiguous();
-  const FusedLinearPasses passes(xs, xt, ws, wt, labels, p);
-  return chunked_matrix_grads(grad_loss, xs, ws, p.vocab_size, /*max_chunk_cols=*/0, compute_dxs, compute_dws,
+  const FusedLinearPasses passes(in, p);
+  // The chunk holds dLoss/d(scale * (x . w^T + bias)); the scale's factor rides on g.
+  const at::Tensor g = p.logit_scale_s == 1.0 ? grad_loss : grad_loss * p.logit_scale_s;
+  return chunked_matrix_grads(g, in.xs, in.ws, p.vocab_size, /*max_chunk_cols=*/0, compute_dxs, compute_dws,
+                              compute_dbias_s && bias_s.has_value(),
                               [&](int64_t c0, int64_t cols, at::Tensor& dz) { passes.grad_pass(row_stats, c0, cols, dz); });
 }
 

@@ -17,23 +17,37 @@ namespace nitrobrew {
 namespace cpu {
 namespace {
 
+// The lm_head biases, if given, in the accumulation dtype.
+struct Biases {
+  const c10::optional<at::Tensor>& s;
+  const c10::optional<at::Tensor>& t;
+};
+
+ProductTiles product_tiles(const at::Tensor& xs_acc, const at::Tensor& xt_acc, const at::Tensor& ws,
+                           const at::Tensor& wt, const Biases& bias) {
+  ProductTiles source{xs_acc, xt_acc, ws, wt};
+  if (bias.s.has_value()) source.bias_s = bias.s->to(xs_acc.scalar_type());
+  if (bias.t.has_value()) source.bias_t = bias.t->to(xs_acc.scalar_type());
+  return source;
+}
+
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor> fused_linear_forward(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
-    const c10::optional<at::Tensor>& labels, const DistillParams& p) {
+    const c10::optional<at::Tensor>& labels, const Biases& bias, const DistillParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
   const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
   const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
-  ProductTiles source{xs_acc, xt_acc, ws, wt};
+  ProductTiles source = product_tiles(xs_acc, xt_acc, ws, wt, bias);
   return distill_forward<acc_t>(source, labels, p, xs_acc.options());
 }
 
 template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor> fused_linear_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_backward(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
-    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats,
-    const DistillParams& p, bool compute_dxs, bool compute_dws) {
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const Biases& bias, const at::Tensor& row_stats,
+    const DistillParams& p, bool compute_dxs, bool compute_dws, bool compute_dbias) {
   using acc_t = at::opmath_type<scalar_t>;
   const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
   const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
@@ -51,12 +65,15 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_backward(
     pass.dws = at::zeros_like(ws, at::MemoryFormat::Contiguous);  // padded rows past vocab_size stay 0
     pass.dws_tile_acc = at::empty({plan.vocab_tile, p.hidden_s}, xs_acc.options());
   }
-  ProductTiles source{xs_acc, xt_acc, ws, wt};
+  compute_dbias = compute_dbias && bias.s.has_value();
+  if (compute_dbias) pass.dbias_acc = at::zeros({ws.size(0)}, xs_acc.options());  // padded rows stay 0
+  ProductTiles source = product_tiles(xs_acc, xt_acc, ws, wt, bias);
   walk_logit_tiles<acc_t>(source, p, plan, xs_acc.options(), pass);
 
   at::Tensor dxs = compute_dxs ? pass.dxs_acc.to(xs.scalar_type()) : at::empty({0}, xs.options());
   at::Tensor dws = compute_dws ? pass.dws : at::empty({0}, ws.options());
-  return {dxs, dws};
+  at::Tensor dbias = compute_dbias ? pass.dbias_acc.to(ws.scalar_type()) : at::empty({0}, ws.options());
+  return {dxs, dws, dbias};
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -65,35 +82,37 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cpu(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
-    const c10::optional<at::Tensor>& labels, int64_t ignore_index, c10::string_view divergence, double beta, double temperature,
-    double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
-    int64_t vocab_size, int64_t chunk_v) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, divergence, beta,
-                                                       temperature, ce_weight, softcap_s, softcap_t,
-                                                       vocab_size, chunk_v);
+    const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, int64_t ignore_index, c10::string_view divergence, double beta,
+    double temperature, double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
+    double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
   check_cpu(xs, "xs");
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_fwd_cpu", [&] {
-    out = fused_linear_forward<scalar_t>(xs, xt, ws, wt, labels, p);
+    out = fused_linear_forward<scalar_t>(xs, xt, ws, wt, labels, Biases{bias_s, bias_t}, p);
   });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_linear_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
-    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const at::Tensor& row_stats, int64_t ignore_index,
+    const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, const at::Tensor& row_stats, int64_t ignore_index,
     c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
-    c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v, bool compute_dxs,
-    bool compute_dws) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, ignore_index, divergence, beta,
-                                                       temperature, ce_weight, softcap_s, softcap_t,
-                                                       vocab_size, chunk_v);
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v,
+    bool compute_dxs, bool compute_dws, bool compute_dbias_s) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
   check_cpu(xs, "xs");
   check_backward_inputs(grad_loss, row_stats, p);
-  std::tuple<at::Tensor, at::Tensor> out;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_bwd_cpu", [&] {
-    out = fused_linear_backward<scalar_t>(grad_loss, xs, xt, ws, wt, labels, row_stats, p,
-                                  compute_dxs, compute_dws);
+    out = fused_linear_backward<scalar_t>(grad_loss, xs, xt, ws, wt, labels, Biases{bias_s, bias_t}, row_stats, p,
+                                          compute_dxs, compute_dws, compute_dbias_s);
   });
   return out;
 }

@@ -77,9 +77,8 @@ __global__ void finish_jsd_kernel(FusedLinearArgs<T> a, int splits, const float*
   loss[n] = value;
 }
 
-void launch_forward(const FusedLinearPasses& passes, const at::Tensor& xs, const at::Tensor& xt,
-                    const at::Tensor& ws, const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
-                    const DistillParams& p, at::Tensor& loss, at::Tensor& row_stats) {
+void launch_forward(const FusedLinearPasses& passes, const FusedLinearOperands& in, const DistillParams& p,
+                    at::Tensor& loss, at::Tensor& row_stats) {
   const int64_t splits = passes.forward_splits();
   const auto options = loss.options();
   at::Tensor partial = at::empty({splits, p.num_rows, kPartialFields}, options);
@@ -87,8 +86,8 @@ void launch_forward(const FusedLinearPasses& passes, const at::Tensor& xs, const
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
   passes.kl_pass(partial, label_logit);
-  NITROBREW_DISPATCH_CUDA_FLOATS(xs.scalar_type(), "nitrobrew_merge_splits",
-    const FusedLinearArgs<T> a = make_args<T>(xs, xt, ws, wt, labels, p);
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_merge_splits",
+    const FusedLinearArgs<T> a = make_args<T>(in, p);
     merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
                                                        label_logit.data_ptr<float>(), loss.data_ptr<float>(),
                                                        row_stats.data_ptr<float>());
@@ -104,25 +103,23 @@ void launch_forward(const FusedLinearPasses& passes, const at::Tensor& xs, const
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
-    const at::Tensor& xs_in, const at::Tensor& xt_in, const at::Tensor& ws_in, const at::Tensor& wt_in,
-    const c10::optional<at::Tensor>& labels_in, int64_t ignore_index, c10::string_view divergence, double beta, double temperature,
-    double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t, int64_t vocab_size,
-    int64_t chunk_v) {
-  const DistillParams p = make_fused_linear_params(xs_in, xt_in, ws_in, wt_in, labels_in, ignore_index, divergence, beta,
-                                                       temperature, ce_weight, softcap_s, softcap_t, vocab_size,
-                                                       chunk_v);
-  TORCH_CHECK(xs_in.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
-  const c10::cuda::CUDAGuard guard(xs_in.device());
-  const at::Tensor xs = unit_stride_rows(xs_in), xt = unit_stride_rows(xt_in);
-  const at::Tensor ws = unit_stride_rows(ws_in), wt = unit_stride_rows(wt_in);
-  const c10::optional<at::Tensor> labels =
-      labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, int64_t ignore_index, c10::string_view divergence, double beta,
+    double temperature, double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
+    double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
+  TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
+  const c10::cuda::CUDAGuard guard(xs.device());
+  const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);
   const auto options = xs.options().dtype(at::kFloat);
   at::Tensor loss = at::zeros({p.num_rows}, options);
   at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, options);
   if (p.num_rows == 0) return {loss, row_stats};
-  const FusedLinearPasses passes(xs, xt, ws, wt, labels, p);
-  launch_forward(passes, xs, xt, ws, wt, labels, p, loss, row_stats);
+  const FusedLinearPasses passes(in, p);
+  launch_forward(passes, in, p, loss, row_stats);
   return {loss, row_stats};
 }
 

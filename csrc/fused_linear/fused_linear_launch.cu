@@ -7,16 +7,29 @@
 namespace nitrobrew {
 namespace cuda {
 
-FusedLinearPasses::FusedLinearPasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+namespace {
+
+c10::optional<at::Tensor> contiguous_or_none(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+}
+
+}  // namespace
+
+FusedLinearOperands prepare_operands(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                      const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
-                                     const DistillParams& p)
-    : xs_(xs), xt_(xt), ws_(ws), wt_(wt), labels_(labels), p_(p), walk_(xs, xt, ws, wt, p.num_rows, p.vocab_size) {}
+                                     const c10::optional<at::Tensor>& bias_s, const c10::optional<at::Tensor>& bias_t) {
+  return {unit_stride_rows(xs), unit_stride_rows(xt), unit_stride_rows(ws), unit_stride_rows(wt),
+          contiguous_or_none(labels), contiguous_or_none(bias_s), contiguous_or_none(bias_t)};
+}
+
+FusedLinearPasses::FusedLinearPasses(const FusedLinearOperands& in, const DistillParams& p)
+    : in_(in), p_(p), walk_(in.xs, in.xt, in.ws, in.wt, p.num_rows, p.vocab_size) {}
 
 // The passes' arguments `a` for the inputs' dtype.
-#define NITROBREW_DISPATCH_16_32(NAME, ...)                                            \
-  NITROBREW_DISPATCH_CUDA_FLOATS(xs_.scalar_type(), NAME, {                            \
-    const FusedLinearArgs<T> a = make_args<T>(xs_, xt_, ws_, wt_, labels_, p_); \
-    __VA_ARGS__                                                                      \
+#define NITROBREW_DISPATCH_16_32(NAME, ...)                     \
+  NITROBREW_DISPATCH_CUDA_FLOATS(in_.xs.scalar_type(), NAME, {  \
+    const FusedLinearArgs<T> a = make_args<T>(in_, p_);         \
+    __VA_ARGS__                                                 \
   })
 
 void FusedLinearPasses::kl_pass(at::Tensor& partial, at::Tensor& label_logit) const {

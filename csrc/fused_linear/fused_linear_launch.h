@@ -14,12 +14,21 @@ namespace cuda {
 // Fields of the KL pass's record per row and split: w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused.
 constexpr int kPartialFields = 8;
 
+// The tensors the passes read, as their kernels take them: unit-stride rows, contiguous labels and
+// biases (the op's arguments bias_s, bias_t, or none). A student-only pass gives xs, ws and bias_s
+// as both models'.
+struct FusedLinearOperands {
+  at::Tensor xs, xt, ws, wt;
+  c10::optional<at::Tensor> labels, bias_s, bias_t;
+};
+FusedLinearOperands prepare_operands(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+                                     const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                                     const c10::optional<at::Tensor>& bias_s, const c10::optional<at::Tensor>& bias_t);
+
 // Runs the passes with the fastest kernel family that serves these inputs on the current device.
-// The operands must have unit-stride rows (unit_stride_rows).
 class FusedLinearPasses {
  public:
-  FusedLinearPasses(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
-                    const c10::optional<at::Tensor>& labels, const DistillParams& p);
+  FusedLinearPasses(const FusedLinearOperands& in, const DistillParams& p);
 
   KernelPath path() const { return walk_.path(); }
   // How many vocabulary splits the forward passes use: the rows of their partial results.
@@ -36,8 +45,7 @@ class FusedLinearPasses {
   void grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk) const;
 
  private:
-  at::Tensor xs_, xt_, ws_, wt_;
-  c10::optional<at::Tensor> labels_;
+  FusedLinearOperands in_;
   DistillParams p_;
   VocabWalk walk_;
 };

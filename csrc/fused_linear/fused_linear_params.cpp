@@ -18,9 +18,11 @@ double checked_softcap(c10::optional<double> cap, const char* name) {
 
 DistillParams make_fused_linear_params(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                        const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                                       const c10::optional<at::Tensor>& bias_s, const c10::optional<at::Tensor>& bias_t,
                                        int64_t ignore_index, c10::string_view divergence, double beta,
                                        double temperature, double ce_weight, c10::optional<double> softcap_s,
-                                       c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v) {
+                                       c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t,
+                                       int64_t vocab_size, int64_t chunk_v) {
   check_floating_matrix(xs, "xs");
   check_floating_matrix(xt, "xt");
   check_floating_matrix(ws, "ws");
@@ -45,12 +47,16 @@ DistillParams make_fused_linear_params(const at::Tensor& xs, const at::Tensor& x
               "ce_weight must be a non-negative number, got ", ce_weight);
   TORCH_CHECK(chunk_v >= 0, "chunk_v must be positive (or 0 for automatic), got ", chunk_v);
   check_labels(labels, xs, "xs");
+  check_bias(bias_s, ws, "bias_s", "ws");
+  check_bias(bias_t, wt, "bias_t", "wt");
   TORCH_CHECK(ce_weight == 0.0 || labels.has_value(), "ce_weight > 0 needs labels");
 
   DistillParams p = divergence_options(labels, ignore_index, divergence, beta, temperature);
   p.ce_weight = ce_weight;
   p.softcap_s = checked_softcap(softcap_s, "softcap_s");
   p.softcap_t = checked_softcap(softcap_t, "softcap_t");
+  p.logit_scale_s = checked_logit_scale(logit_scale_s, "logit_scale_s");
+  p.logit_scale_t = checked_logit_scale(logit_scale_t, "logit_scale_t");
   p.num_rows = xs.size(0);
   p.hidden_s = xs.size(1);
   p.hidden_t = xt.size(1);

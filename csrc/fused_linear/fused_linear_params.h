@@ -11,8 +11,10 @@ namespace nitrobrew {
 
 DistillParams make_fused_linear_params(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                        const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                                       const c10::optional<at::Tensor>& bias_s, const c10::optional<at::Tensor>& bias_t,
                                        int64_t ignore_index, c10::string_view divergence, double beta,
                                        double temperature, double ce_weight, c10::optional<double> softcap_s,
-                                       c10::optional<double> softcap_t, int64_t vocab_size, int64_t chunk_v);
+                                       c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t,
+                                       int64_t vocab_size, int64_t chunk_v);
 
 }  // namespace nitrobrew

@@ -336,7 +336,7 @@ struct GradPass {
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT& zt) {
     constexpr int kCols = 8 * ZT::kNTiles;
-    const bool plain = !(a.softcap_s > 0.f) && v0 + kCols <= a.vocab_size && v0 + kCols <= p.chunk.end();
+    const bool plain = !(a.model_s.softcap > 0.f) && v0 + kCols <= a.vocab_size && v0 + kCols <= p.chunk.end();
     if (plain && a.ce_weight != 0.f) return plain_fold<true>(a, rows, v0, zs, zt);
     if (plain) return plain_fold<false>(a, rows, v0, zs, zt);
     fold<Divergence::kJSD, false, true>(a, rows, v0, zs, zt);
@@ -381,7 +381,7 @@ struct GradPass {
             if (kCE && a.ce_weight != 0.f) {
               dz[e] += a.ce_weight * (PassExp<T>{}(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
             }
-            if (!kPlain) dz[e] *= softcap_grad_from_capped(z, a.softcap_s);
+            if (!kPlain) dz[e] *= softcap_grad_from_capped(z, a.model_s.softcap);
           }
         }
         p.chunk.template store<kPlain>(rows.row[i], col, dz);

@@ -10,7 +10,10 @@
 //             tiles and writes the dense part of dLoss/dz, write_id_entries_kernel the K ids'
 //             entries, and cuBLAS forms dxs and dws from the chunk. "topk" has only the K ids'
 //             terms: sparse_dxs_kernel gathers K rows of ws per token, sparse_dws_kernel sums the
-//             xs rows of each id (ids sorted into runs).
+//             xs rows of each id (ids sorted into runs), and the bias's coefficients.
+// An lm_head bias and a logit scale enter as the fused-linear losses' do (ModelLogits,
+// engine/cuda/vocab_walk.cuh): the walk forms scale * (xs . ws^T + bias), "topk" applies them to
+// the gathered products, and the backwards fold the scale into the upstream gradient.
 // Ids outside [0, V) arrive as id 0 with a NaN log-probability (guard_topk_ids): their rows come out
 // NaN (nonfinite.h), with no device-side assertion and no read outside ws.
 #include <ATen/ATen.h>
@@ -142,20 +145,28 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
 }
 
-// normalize="topk", dws[v] = sum of coef * xs[n] over the pairs of id v: one warp per position of the
-// sorted ids; the warp at the start of an id's run sums the run (in sorted order: deterministic) and
-// writes the row once. Rows of no id stay as zeroed.
+// normalize="topk", dws[v] = sum of coef * xs[n] and dbias[v] = sum of coef over the pairs of id v
+// (either output may be nullptr): one warp per position of the sorted ids; the warp at the start of
+// an id's run sums the run (in sorted order: deterministic) and writes the row once. Rows of no id
+// stay as zeroed.
 template <typename T>
 __global__ void __launch_bounds__(kGatherThreads)
     sparse_dws_kernel(const T* __restrict__ xs, int64_t ld_x, const int64_t* __restrict__ sorted_ids,
                       const int64_t* __restrict__ order, const float* __restrict__ coef, int64_t entries,
-                      int64_t k, int64_t hidden, bool vectorized, T* __restrict__ dws, int64_t ld_w) {
+                      int64_t k, int64_t hidden, bool vectorized, T* __restrict__ dws, int64_t ld_w,
+                      float* __restrict__ dbias) {
   constexpr int kPerLoad = 16 / sizeof(T);
   const int64_t pos = int64_t(blockIdx.x) * (kGatherThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (pos >= entries) return;
   const int64_t v = sorted_ids[pos];
   if (v < 0 || (pos > 0 && sorted_ids[pos - 1] == v)) return;  // not the start of an id's run
+  if (dbias != nullptr && lane == 0) {
+    float sum = 0.f;
+    for (int64_t q = pos; q < entries && sorted_ids[q] == v; ++q) sum += coef[order[q]];
+    dbias[v] = sum;
+  }
+  if (dws == nullptr) return;
   const int step = vectorized ? kPerLoad : 1;
   for (int64_t d0 = int64_t(lane) * step; d0 < hidden; d0 += 32 * step) {
     float acc[kPerLoad] = {};
@@ -189,16 +200,19 @@ bool gather_vectorizable(const at::Tensor& t) {
 
 struct Inputs {
   at::Tensor xs, ws;
-  c10::optional<at::Tensor> labels;
+  c10::optional<at::Tensor> labels, bias;
   at::Tensor ids, logprobs;  // ids in [0, V) (guard_topk_ids)
 };
 
+c10::optional<at::Tensor> contiguous_or_none(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+}
+
 Inputs prepare(const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& ids, const at::Tensor& logprobs,
-               const c10::optional<at::Tensor>& labels, const TopKParams& p) {
+               const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias, const TopKParams& p) {
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   const GuardedTopK teacher = guard_topk_ids(ids, logprobs, p.vocab_size);
-  return {unit_stride_rows(xs), unit_stride_rows(ws),
-          labels.has_value() ? c10::optional<at::Tensor>(labels->contiguous()) : c10::nullopt,
+  return {unit_stride_rows(xs), unit_stride_rows(ws), contiguous_or_none(labels), contiguous_or_none(bias),
           teacher.ids.contiguous(), teacher.logprobs};
 }
 
@@ -213,13 +227,13 @@ at::Tensor gather_logits(const Inputs& in, const TopKParams& p) {
         in.ws.stride(0), in.ids.data_ptr<int64_t>(), p.k, p.hidden, vectorized, z.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   );
-  return z;
+  return model_logits_at_ids(z, in.ids, in.bias.has_value() ? in.bias->to(at::kFloat) : at::Tensor(), p.logit_scale);
 }
 
 // normalize="full": one pass over the tiles of xs . ws^T gives the student's logits at the ids
 // [N, K] (float32; zeros in masked rows) and its log-normalizer [N, 2] (float64, (max, log-sum)).
 std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const Inputs& in, const TopKParams& p) {
-  const StudentPasses passes(in.xs, in.ws, in.labels, p);
+  const StudentPasses passes(in.xs, in.ws, in.labels, in.bias, p);
   const auto options = in.xs.options().dtype(at::kDouble);
   at::Tensor partial = at::empty({passes.forward_splits(), p.num_rows, 2}, options);
   at::Tensor norm = at::empty({p.num_rows, 2}, options);
@@ -237,18 +251,21 @@ std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const Input
   return {z, norm};
 }
 
-std::tuple<at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKGradTerms& terms,
-                                                   const at::Tensor& grad_loss, const TopKParams& p,
-                                                   bool compute_dxs, bool compute_dws) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKGradTerms& terms,
+                                                               const at::Tensor& grad_loss, const TopKParams& p,
+                                                               bool compute_dxs, bool compute_dws,
+                                                               bool compute_dbias) {
   const TopKSparseGrad sparse = topk_sparse_grad(terms, grad_loss, at::kFloat);
   const at::Tensor write_ids = terms.write_ids.contiguous();
   const bool vectorized = gather_vectorizable(in.xs) && gather_vectorizable(in.ws);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor dxs = at::empty({0}, in.xs.options()), dws = at::empty({0}, in.ws.options());
+  at::Tensor dbias = at::empty({0}, in.ws.options());
   if (compute_dxs) dxs = at::empty({p.num_rows, p.hidden}, in.xs.options());
   if (compute_dws) dws = at::zeros(in.ws.sizes(), in.ws.options());
+  if (compute_dbias) dbias = at::zeros({in.ws.size(0)}, in.ws.options().dtype(at::kFloat));
   const int64_t entries = p.num_rows * p.k;
-  if (p.num_rows == 0) return {dxs, dws};
+  if (p.num_rows == 0) return {dxs, dws, dbias.to(in.ws.scalar_type())};
   NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_topk_sparse_grads",
     if (compute_dxs) {
       sparse_dxs_kernel<T><<<static_cast<unsigned>(p.num_rows), kGatherThreads, 0, stream>>>(
@@ -256,30 +273,33 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward(const Inputs& in, const TopKG
           sparse.coef.data_ptr<float>(), p.k, p.hidden, vectorized, reinterpret_cast<T*>(dxs.data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (compute_dws) {
+    if (compute_dws || compute_dbias) {
       constexpr int kWarps = kGatherThreads / 32;
       sparse_dws_kernel<T><<<static_cast<unsigned>((entries + kWarps - 1) / kWarps), kGatherThreads, 0, stream>>>(
           reinterpret_cast<const T*>(in.xs.data_ptr()), in.xs.stride(0), sparse.sorted_ids.data_ptr<int64_t>(),
           sparse.order.data_ptr<int64_t>(), sparse.coef.data_ptr<float>(), entries, p.k, p.hidden, vectorized,
-          reinterpret_cast<T*>(dws.data_ptr()), dws.stride(0));
+          compute_dws ? reinterpret_cast<T*>(dws.data_ptr()) : nullptr, compute_dws ? dws.stride(0) : 0,
+          compute_dbias ? dbias.data_ptr<float>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   );
-  return {dxs, dws};
+  return {dxs, dws, dbias.to(in.ws.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cuda(const at::Tensor& xs_in, const at::Tensor& ws_in,
-                                                               const at::Tensor& teacher_ids,
-                                                               const at::Tensor& teacher_logprobs,
-                                                               const c10::optional<at::Tensor>& labels_in,
-                                                               int64_t ignore_index, double temperature,
-                                                               bool renormalize, int64_t chunk_v) {
+                                                        const at::Tensor& teacher_ids,
+                                                        const at::Tensor& teacher_logprobs,
+                                                        const c10::optional<at::Tensor>& labels_in,
+                                                        const c10::optional<at::Tensor>& bias_s, int64_t ignore_index,
+                                                        double temperature, double logit_scale_s, bool renormalize,
+                                                        int64_t chunk_v) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, ignore_index,
-                                               temperature, renormalize, chunk_v, /*check_ids_on_host=*/false);
+  const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s,
+                                               ignore_index, temperature, logit_scale_s, renormalize, chunk_v,
+                                               /*check_ids_on_host=*/false);
   const c10::cuda::CUDAGuard guard(xs_in.device());
-  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, p);
+  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s, p);
   at::Tensor z, norm;
   if (renormalize) {
     z = gather_logits(in, p);
@@ -291,24 +311,29 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cuda(const at::Tensor& xs_in,
   return {loss.to(at::kFloat), stats};
 }
 
-std::tuple<at::Tensor, at::Tensor> topk_linear_bwd_cuda(
-    const at::Tensor& grad_loss, const at::Tensor& xs_in, const at::Tensor& ws_in, const at::Tensor& teacher_ids,
-    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels_in, const at::Tensor& row_stats,
-    int64_t ignore_index, double temperature, bool renormalize, int64_t chunk_v, bool compute_dxs,
-    bool compute_dws) {
+// The gradients of dLoss/d(scale * (xs . ws^T + bias)): the scale's factor rides on the upstream gradient.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_linear_bwd_cuda(
+    const at::Tensor& grad_loss_in, const at::Tensor& xs_in, const at::Tensor& ws_in, const at::Tensor& teacher_ids,
+    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels_in,
+    const c10::optional<at::Tensor>& bias_s, const at::Tensor& row_stats, int64_t ignore_index, double temperature,
+    double logit_scale_s, bool renormalize, int64_t chunk_v, bool compute_dxs, bool compute_dws,
+    bool compute_dbias_s) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, ignore_index,
-                                               temperature, renormalize, chunk_v, /*check_ids_on_host=*/false);
-  check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, xs_in.device());
+  const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s,
+                                               ignore_index, temperature, logit_scale_s, renormalize, chunk_v,
+                                               /*check_ids_on_host=*/false);
+  check_topk_backward_inputs(grad_loss_in, row_stats, kTopKLogitsColumn + p.k, p, xs_in.device());
   const c10::cuda::CUDAGuard guard(xs_in.device());
-  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, p);
+  const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s, p);
+  const bool compute_dbias = compute_dbias_s && in.bias.has_value();
+  const at::Tensor grad_loss = p.logit_scale == 1.0 ? grad_loss_in : grad_loss_in * p.logit_scale;
   const TopKGradTerms terms =
       topk_grad_terms(row_stats, in.ids, in.logprobs, topk_valid_rows(in.labels, p, in.xs), p, at::kFloat);
   const at::Tensor write_ids = terms.write_ids.contiguous();
   const at::Tensor sparse = terms.id_sparse.to(at::kFloat).contiguous(), id_dense = terms.id_dense.to(at::kFloat).contiguous();
-  if (renormalize) return sparse_backward(in, terms, grad_loss, p, compute_dxs, compute_dws);
-  const StudentPasses passes(in.xs, in.ws, in.labels, p);
+  if (renormalize) return sparse_backward(in, terms, grad_loss, p, compute_dxs, compute_dws, compute_dbias);
+  const StudentPasses passes(in.xs, in.ws, in.labels, in.bias, p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t entries = p.num_rows * p.k;
   auto fill = [&](int64_t c0, int64_t cols, at::Tensor& dz) {
@@ -320,7 +345,8 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_bwd_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     );
   };
-  return chunked_matrix_grads(grad_loss, in.xs, in.ws, p.vocab_size, p.chunk_v, compute_dxs, compute_dws, fill);
+  return chunked_matrix_grads(grad_loss, in.xs, in.ws, p.vocab_size, p.chunk_v, compute_dxs, compute_dws,
+                              compute_dbias, fill);
 }
 
 }  // namespace

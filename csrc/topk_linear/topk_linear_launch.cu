@@ -14,6 +14,7 @@ DistillParams student_pass_params(const TopKParams& p, bool has_labels) {
   f.kind = Divergence::kForwardKL;
   f.beta = 0.0;
   f.inv_temperature = p.inv_temperature;
+  f.logit_scale_s = f.logit_scale_t = p.logit_scale;
   f.ignore_index = p.ignore_index;
   f.num_rows = p.num_rows;
   f.hidden_s = f.hidden_t = p.hidden;
@@ -26,15 +27,15 @@ DistillParams student_pass_params(const TopKParams& p, bool has_labels) {
 }  // namespace
 
 StudentPasses::StudentPasses(const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& labels,
-                             const TopKParams& p)
-    : xs_(xs), ws_(ws), labels_(labels), p_(student_pass_params(p, labels.has_value())),
+                             const c10::optional<at::Tensor>& bias, const TopKParams& p)
+    : in_{xs, xs, ws, ws, labels, bias, bias}, p_(student_pass_params(p, labels.has_value())),
       walk_(xs, xs, ws, ws, p.num_rows, p.vocab_size) {}
 
 // The passes' arguments `a` for the inputs' dtype.
-#define NITROBREW_DISPATCH_16_32(NAME, ...)                                            \
-  NITROBREW_DISPATCH_CUDA_FLOATS(xs_.scalar_type(), NAME, {                            \
-    const FusedLinearArgs<T> a = make_args<T>(xs_, xs_, ws_, ws_, labels_, p_); \
-    __VA_ARGS__                                                                      \
+#define NITROBREW_DISPATCH_16_32(NAME, ...)                     \
+  NITROBREW_DISPATCH_CUDA_FLOATS(in_.xs.scalar_type(), NAME, {  \
+    const FusedLinearArgs<T> a = make_args<T>(in_, p_);         \
+    __VA_ARGS__                                                 \
   })
 
 void StudentPasses::student_norm_pass(at::Tensor& partial, const at::Tensor& sorted_ids, const at::Tensor& id_order,

@@ -8,15 +8,16 @@
 #include "../divergence/distill_params.h"
 #include "../divergence/topk_params.h"
 #include "../engine/cuda/vocab_walk.h"
+#include "../fused_linear/fused_linear_launch.h"
 
 namespace nitrobrew {
 namespace cuda {
 
 class StudentPasses {
  public:
-  // xs, ws with unit-stride rows (unit_stride_rows).
+  // xs, ws with unit-stride rows (unit_stride_rows), bias (the student's lm_head bias) contiguous.
   StudentPasses(const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& labels,
-                const TopKParams& p);
+                const c10::optional<at::Tensor>& bias, const TopKParams& p);
 
   // How many vocabulary splits the forward pass uses: the rows of its partial results.
   int64_t forward_splits() const { return walk_.forward_splits(); }
@@ -32,8 +33,7 @@ class StudentPasses {
                          at::Tensor& grad_chunk) const;
 
  private:
-  at::Tensor xs_, ws_;
-  c10::optional<at::Tensor> labels_;
+  FusedLinearOperands in_;
   DistillParams p_;
   VocabWalk walk_;
 };

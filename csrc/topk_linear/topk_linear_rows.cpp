@@ -123,6 +123,12 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
   return terms;
 }
 
+at::Tensor model_logits_at_ids(const at::Tensor& z, const at::Tensor& ids, const at::Tensor& bias, double scale) {
+  at::Tensor out = z;
+  if (bias.defined()) out = out + bias.index_select(0, ids.reshape(-1)).view(ids.sizes());
+  return scale == 1.0 ? out : out * scale;
+}
+
 TopKSparseGrad topk_sparse_grad(const TopKGradTerms& terms, const at::Tensor& grad_loss, at::ScalarType coef_dtype) {
   TopKSparseGrad sparse;
   sparse.coef = (terms.id_sparse * grad_loss.to(at::kDouble).unsqueeze(1)).to(coef_dtype).contiguous();

@@ -12,6 +12,10 @@
 
 namespace nitrobrew {
 
+// The student's logits at the ids from the products z [N, K] = xs[n] . ws[id_k]: scale * (z + bias[id_k])
+// (bias [V_rows] in z's dtype, or undefined), in z's dtype.
+at::Tensor model_logits_at_ids(const at::Tensor& z, const at::Tensor& ids, const at::Tensor& bias, double scale);
+
 // Rows that take part: [N] bool, false where labels == ignore_index.
 at::Tensor topk_valid_rows(const c10::optional<at::Tensor>& labels, const TopKParams& p, const at::Tensor& like);
 

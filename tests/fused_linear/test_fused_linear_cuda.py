@@ -10,7 +10,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import check_against_reference, make_problem
+from helpers import check_against_reference, make_biases, make_problem
 
 pytestmark = CUDA
 
@@ -89,6 +89,26 @@ def test_tensor_core_kernels_every_option(kernel_family, n, dtype, beta, masked,
     if softcap:
         options.update(softcap_s=4.0, softcap_t=6.0)
     check_against_reference(xs, xt, ws, wt, beta=beta, **options)
+
+
+@pytest.mark.parametrize("n", [300, 400])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("model", ["bias", "scale_softcap", "student_bias_scale"])
+@pytest.mark.parametrize("ce_weight,padded", [(0.0, False), (0.5, True)])
+def test_tensor_core_kernels_bias_and_logit_scale(kernel_family, n, beta, model, ce_weight, padded):
+    # The biases are read per fragment column of each tile, the last tile partial (V = 1000), past
+    # which the padded rows' biases (1030 rows) must not reach the loss.
+    rows = 1030 if padded else None
+    xs, xt, ws, wt, labels = make_problem(n=n, v=1000, d_s=200, d_t=136, dtype=torch.bfloat16, device="cuda",
+                                          masked=True, rows_s=rows, rows_t=rows)
+    bias_s, bias_t = make_biases(ws, wt, scale=2.0)
+    options = {
+        "bias": dict(bias_s=bias_s, bias_t=bias_t),
+        "scale_softcap": dict(logit_scale_s=0.0625, logit_scale_t=2.5, softcap_s=4.0, softcap_t=6.0),
+        "student_bias_scale": dict(bias_s=bias_s, logit_scale_s=0.5),
+    }[model]
+    check_against_reference(xs, xt, ws, wt, beta=beta, reduction="none", labels=labels, ce_weight=ce_weight,
+                            temperature=1.5, vocab_size=1000 if padded else None, **options)
 
 
 @pytest.mark.parametrize("n", [1100, 1200])

@@ -54,6 +54,12 @@ def call(problem, fn=nitrobrew.forward_kl, **overrides):
         (dict(chunk_V=0), ValueError, "chunk_V must be a positive integer"),
         (dict(chunk_V=2.5), ValueError, "chunk_V must be a positive integer"),
         (dict(ignore_index=1.5), TypeError, "ignore_index must be an int"),
+        (dict(bias_s=torch.zeros(49)), ValueError, r"bias_s must be \[V\] with one entry per row of ws \(50\)"),
+        (dict(bias_t=torch.zeros(50, 1)), ValueError, r"bias_t must be \[V\] with one entry per row of wt"),
+        (dict(bias_s=torch.zeros(50, dtype=torch.int64)), TypeError, "bias_s must be float32"),
+        (dict(bias_s=torch.zeros(50, device="meta")), ValueError, "bias_s must be on ws's device"),
+        (dict(logit_scale_s=0.0), ValueError, "logit_scale_s must be a positive"),
+        (dict(logit_scale_t=float("nan")), ValueError, "logit_scale_t must be a positive"),
     ],
 )
 def test_bad_arguments(problem, overrides, error, match):
@@ -85,18 +91,31 @@ def test_label_past_vocab_size_of_padded_weights():
 def test_op_checks_its_inputs_when_called_directly(problem):
     xs, xt, ws, wt, labels = problem
     with pytest.raises(RuntimeError, match="temperature must be a positive number"):
-        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, -100, "forward_kl", 0.0, 0.0, 0.0, None, None, 50, 0)
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "forward_kl", 0.0, 0.0, 0.0,
+                                             None, None, 1.0, 1.0, 50, 0)
     with pytest.raises(RuntimeError, match="vocab_size must be in"):
-        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, -100, "forward_kl", 0.0, 1.0, 0.0, None, None, 51, 0)
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "forward_kl", 0.0, 1.0, 0.0,
+                                             None, None, 1.0, 1.0, 51, 0)
     with pytest.raises(RuntimeError, match="row_stats must be"):
         torch.ops.nitrobrew.fused_linear_bwd(
-            torch.ones(6), xs, xt, ws, wt, None, torch.zeros(6, 5), -100, "forward_kl", 0.0, 1.0, 0.0, None, None, 50, 0,
-            True, True,
+            torch.ones(6), xs, xt, ws, wt, None, None, None, torch.zeros(6, 5), -100, "forward_kl", 0.0, 1.0, 0.0, None,
+            None, 1.0, 1.0, 50, 0, True, True, True,
         )
     with pytest.raises(RuntimeError, match="divergence must be 'forward_kl', 'reverse_kl' or 'jsd', got 'kl'"):
-        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, -100, "kl", 0.0, 1.0, 0.0, None, None, 50, 0)
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "kl", 0.0, 1.0, 0.0, None, None,
+                                             1.0, 1.0, 50, 0)
+    with pytest.raises(RuntimeError, match=r"bias_s must be \[V\] with one entry per row of ws \(50\)"):
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, torch.zeros(49), None, -100, "forward_kl", 0.0, 1.0,
+                                             0.0, None, None, 1.0, 1.0, 50, 0)
+    with pytest.raises(RuntimeError, match="bias_t must have wt's dtype"):
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, torch.zeros(50, dtype=torch.float64), -100,
+                                             "forward_kl", 0.0, 1.0, 0.0, None, None, 1.0, 1.0, 50, 0)
+    with pytest.raises(RuntimeError, match="logit_scale_t must be a positive number"):
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "forward_kl", 0.0, 1.0, 0.0, None,
+                                             None, 1.0, -2.0, 50, 0)
     with pytest.raises(RuntimeError, match="beta must be in"):
-        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, -100, "jsd", 1.5, 1.0, 0.0, None, None, 50, 0)
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "jsd", 1.5, 1.0, 0.0, None, None,
+                                             1.0, 1.0, 50, 0)
 
 
 @pytest.mark.parametrize("fn", [nitrobrew.forward_kl, nitrobrew.reverse_kl, nitrobrew.logits.forward_kl,

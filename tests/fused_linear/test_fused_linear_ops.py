@@ -6,55 +6,68 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import divergence_of, make_problem, nitrobrew_loss
+from helpers import divergence_of, make_biases, make_problem, nitrobrew_loss
 
-OPTIONS = [  # (beta, ce_weight, softcaps, vocab_size)
-    (0.0, 0.0, None, None),
-    (0.5, 0.0, None, None),
-    (1.0, 0.5, (3.0, 4.0), 11),
-    (0.3, 0.5, (3.0, None), 12),
+OPTIONS = [  # (beta, ce_weight, softcaps, vocab_size, model: biases and logit scales)
+    (0.0, 0.0, None, None, False),
+    (0.5, 0.0, None, None, True),
+    (1.0, 0.5, (3.0, 4.0), 11, False),
+    (0.3, 0.5, (3.0, None), 12, True),
 ]
 
 
-def _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size, chunk_v=4):
+def _biases(ws, wt, model):
+    if not model:
+        return None, None, 1.0, 1.0
+    bias_s, bias_t = make_biases(ws, wt)
+    return bias_s, bias_t, 0.6, 1.8
+
+
+def _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size, model=False, chunk_v=4):
     cap_s, cap_t = softcaps or (None, None)
-    return (xs, xt, ws, wt, labels, -100, divergence_of(beta), beta, 1.3, ce_weight, cap_s, cap_t,
-            vocab_size or ws.shape[0], chunk_v)
+    bias_s, bias_t, scale_s, scale_t = _biases(ws, wt, model)
+    return (xs, xt, ws, wt, labels, bias_s, bias_t, -100, divergence_of(beta), beta, 1.3, ce_weight, cap_s, cap_t,
+            scale_s, scale_t, vocab_size or ws.shape[0], chunk_v)
 
 
-@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size", OPTIONS)
-def test_opcheck_forward(device, beta, ce_weight, softcaps, vocab_size):
+@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size,model", OPTIONS)
+def test_opcheck_forward(device, beta, ce_weight, softcaps, vocab_size, model):
     xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True, rows_s=13, rows_t=12)
     labels = labels.clamp(max=10) if ce_weight else None
     xs.requires_grad_()
     ws.requires_grad_()
-    torch.library.opcheck(
-        torch.ops.nitrobrew.fused_linear_fwd.default,
-        _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size or 12),
-    )
+    args = _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size or 12, model)
+    if model:
+        args[5].requires_grad_()
+    torch.library.opcheck(torch.ops.nitrobrew.fused_linear_fwd.default, args)
 
 
-@pytest.mark.parametrize("compute", [(True, True), (True, False), (False, True)])
-def test_opcheck_backward(device, compute):
+@pytest.mark.parametrize("compute", [(True, True, True), (True, False, False), (False, True, False),
+                                     (False, False, True)])
+@pytest.mark.parametrize("model", [False, True])
+def test_opcheck_backward(device, compute, model):
     xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True)
-    args = _op_args(xs, xt, ws, wt, labels, 0.3, 0.5, (3.0, 4.0), None)
+    args = _op_args(xs, xt, ws, wt, labels, 0.3, 0.5, (3.0, 4.0), None, model)
     _, row_stats = torch.ops.nitrobrew.fused_linear_fwd(*args)
     grad = torch.randn(7, device=device)
-    bwd_args = (grad, xs, xt, ws, wt, labels, row_stats) + args[5:] + compute
+    bwd_args = (grad, *args[:7], row_stats, *args[7:], *compute)
     torch.library.opcheck(torch.ops.nitrobrew.fused_linear_bwd.default, bwd_args)
 
 
-@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size", OPTIONS)
-def test_gradcheck_float64(beta, ce_weight, softcaps, vocab_size):
+@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size,model", OPTIONS)
+def test_gradcheck_float64(beta, ce_weight, softcaps, vocab_size, model):
     xs, xt, ws, wt, labels = make_problem(n=5, v=13, d_s=3, d_t=4, dtype=torch.float64, masked=True, seed=3)
     labels = labels.clamp(max=10)
     cap_s, cap_t = softcaps or (None, None)
+    bias_s, bias_t, scale_s, scale_t = _biases(ws, wt, model)
+    bias_s = torch.zeros(13, dtype=torch.float64) if bias_s is None else bias_s
 
-    def loss(xs, ws):
+    def loss(xs, ws, bias_s):
         return nitrobrew_loss(xs, xt, ws, wt, beta=beta, temperature=0.7, labels=labels, ce_weight=ce_weight,
-                              softcap_s=cap_s, softcap_t=cap_t, vocab_size=vocab_size, chunk_V=4, reduction="none")
+                              softcap_s=cap_s, softcap_t=cap_t, vocab_size=vocab_size, chunk_V=4, reduction="none",
+                              bias_s=bias_s, bias_t=bias_t, logit_scale_s=scale_s, logit_scale_t=scale_t)
 
-    torch.autograd.gradcheck(loss, (xs.requires_grad_(), ws.requires_grad_()))
+    torch.autograd.gradcheck(loss, (xs.requires_grad_(), ws.requires_grad_(), bias_s.requires_grad_()))
 
 
 def test_torch_compile_dynamic_with_default_options(device):
@@ -74,17 +87,20 @@ def test_torch_compile_dynamic_with_default_options(device):
 def test_torch_compile_fullgraph_with_backward(device, beta, dynamic):
     xs, xt, ws, wt, labels = make_problem(n=33, v=300, device=device, masked=True)
 
-    def step(xs, xt, ws, wt, labels):
-        loss = nitrobrew_loss(xs, xt, ws, wt, beta=beta, labels=labels, temperature=2.0, ce_weight=0.1)
+    bias_s, bias_t = make_biases(ws, wt)
+
+    def step(xs, xt, ws, wt, labels, bias_s):
+        loss = nitrobrew_loss(xs, xt, ws, wt, beta=beta, labels=labels, temperature=2.0, ce_weight=0.1,
+                              bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.5, logit_scale_t=1.5)
         return loss * 2.0
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
     results = []
     for fn in (step, compiled):
-        a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-        loss = fn(a, xt, b, wt, labels)
+        a, b, c = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+        loss = fn(a, xt, b, wt, labels, c)
         loss.backward()
-        results.append((loss.detach(), a.grad, b.grad))
+        results.append((loss.detach(), a.grad, b.grad, c.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager)
 

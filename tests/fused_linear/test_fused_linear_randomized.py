@@ -3,7 +3,8 @@ sizes that divide no tile, every option drawn at random (tests/randomized.py set
 
 import pytest
 
-from helpers import check_against_reference, make_problem
+from helpers import check_against_reference, make_biases, make_problem
+from nitrobrew import reference
 from randomized import DEVICES, SEEDS, draw, log_uniform, loss_floor, rounding_floor
 
 
@@ -26,8 +27,15 @@ def test_randomized(seed, device):
     if masked or ce_weight:
         options["labels"] = labels
     chunk_V = rng.choice([None, rng.randint(1, 300)]) if device == "cpu" else None
+    # lm_head biases and logit multipliers (drawn last: the earlier draws of a seed stay as they were)
+    bias_s, bias_t = make_biases(ws, wt, scale=rng.choice([0.5, 3.0]), seed=seed)
+    options.update(bias_s=rng.choice([None, bias_s]), bias_t=rng.choice([None, bias_t]),
+                   logit_scale_s=rng.choice([1.0, log_uniform(rng, 0.05, 4.0)]),
+                   logit_scale_t=rng.choice([1.0, log_uniform(rng, 0.05, 4.0)]))
     print(f"seed {seed}: n={n} v={v} d_s={d_s} d_t={d_t} rows=({rows_s}, {rows_t}) beta={beta} {dtype} {options}")
-    logits = xs.double() @ ws[:v].double().T, xt.double() @ wt[:v].double().T
+    logits = tuple(reference.model_logits(x.double(), w[:v].double(), bias=None if b is None else b[:v].double(),
+                                          logit_scale=options[f"logit_scale_{side}"])
+                   for x, w, b, side in ((xs, ws, options["bias_s"], "s"), (xt, wt, options["bias_t"], "t")))
     spread = (logits[0] - logits[1]).abs().max().item() / options["temperature"]
     size = max(z.abs().max().item() for z in logits) / options["temperature"]
     check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=chunk_V, rel_floor=rounding_floor(dtype, spread),

@@ -47,6 +47,25 @@ def test_every_kernel_once():
 
 
 
+def test_bias_and_logit_scale_once():
+    # The lm_head biases are read at each tile's columns (the last tile partial, V = 1000 of 1003 /
+    # 1005 rows), and the backward's bias gradient reads the chunk: both kernel families via the runner.
+    dev = "cuda"
+    for n, v, d_s, d_t in [(400, 1000, 200, 136), (70, 200, 24, 40)]:
+        xs = torch.randn(n, d_s, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        xt = torch.randn(n, d_t, device=dev, dtype=torch.bfloat16)
+        ws = torch.randn(v + 3, d_s, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        wt = torch.randn(v + 5, d_t, device=dev, dtype=torch.bfloat16)
+        bias_s = torch.randn(v + 3, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        bias_t = torch.randn(v + 5, device=dev, dtype=torch.bfloat16)
+        for beta in (0.0, 0.5):
+            loss = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.5,
+                                 logit_scale_t=1.5, softcap_s=20.0, vocab_size=v, temperature=2.0)
+            loss.backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and torch.isfinite(bias_s.grad).all() and torch.isfinite(ws.grad).all()
+
+
 def test_labels_out_of_range_with_cross_entropy(monkeypatch):
     # Where the Python check cannot run (torch.compile, CUDA graphs): a label outside [0, V) makes its
     # row NaN instead of stopping the merge kernel with a device-side assertion.

@@ -5,7 +5,11 @@ import itertools
 import pytest
 import torch
 
-from helpers import check_against_reference, make_problem, nitrobrew_loss
+import nitrobrew
+from nitrobrew import reference
+
+from helpers import check_against_reference, make_biases, make_problem, nitrobrew_loss
+from randomized import loss_floor
 
 BETAS = [0.0, 1.0, 0.5]  # forward KL, reverse KL, JSD
 
@@ -23,6 +27,68 @@ def test_every_option(device, beta, reduction, masked, ce_weight, softcap, padde
     if softcap:
         options.update(softcap_s=4.0, softcap_t=6.0)
     check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, **options)
+
+
+# How real models turn hidden states into logits: an lm_head bias (Phi, GPT-J, ...), a logit
+# multiplier before any soft-cap (Cohere's logit_scale 0.0625, Granite's 1 / logits_scaling), both with
+# Gemma's soft-cap, and the two models differing.
+MODELS = {
+    "bias": dict(bias=(True, True)),
+    "student_bias": dict(bias=(True, False)),
+    "scale": dict(logit_scale_s=0.0625, logit_scale_t=2.5),
+    "bias_scale_softcap": dict(bias=(True, True), logit_scale_s=0.5, logit_scale_t=1.7, softcap_s=4.0,
+                               softcap_t=6.0),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("masked,ce_weight,padded", [(False, 0.0, False), (True, 0.5, True)])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_bias_and_logit_scale(device, model, beta, masked, ce_weight, padded, reduction):
+    rows = 1024 if padded else None
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=masked, rows_s=rows, rows_t=rows)
+    options = dict(MODELS[model])
+    bias_s, bias_t = make_biases(ws, wt, scale=2.0)
+    use_s, use_t = options.pop("bias", (False, False))
+    options.update(bias_s=bias_s if use_s else None, bias_t=bias_t if use_t else None)
+    check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, reduction=reduction, temperature=1.5,
+                            labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
+                            vocab_size=1000 if padded else None, **options)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature,logit_scale", [(0.1, 1.5), (10.0, 0.05)])
+def test_bias_and_logit_scale_at_extreme_temperatures(device, beta, temperature, logit_scale):
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    bias_s, bias_t = make_biases(ws, wt)
+    options = dict(bias_s=bias_s, bias_t=bias_t, logit_scale_s=logit_scale, logit_scale_t=1 / logit_scale)
+    # The student's scaled logits reach ~200 at T = 0.1: a one-pass loss keeps float32's rounding of
+    # them (tests/randomized.py loss_floor).
+    size = reference.model_logits(xs.double(), ws.double(), bias=bias_s.double(), logit_scale=logit_scale)
+    floor = loss_floor(xs.dtype, size.abs().max().item() / temperature, ws.shape[0], xs.shape[0], "none")
+    check_against_reference(xs, xt, ws, wt, beta=beta, temperature=temperature, labels=labels, ce_weight=0.3,
+                            reduction="none", loss_floor=floor, **options)
+
+
+def test_bias_and_logit_scale_equal_the_logits_they_define():
+    # The options are exactly the transform written out: the same loss as nitrobrew.logits on
+    # softcap(scale * (x @ w.T + b)) materialized (small sizes, float64 on the CPU), and bias_t gets
+    # no gradient.
+    xs, xt, ws, wt, labels = make_problem(n=9, v=50, dtype=torch.float64, masked=True)
+    bias_s, bias_t = (b.requires_grad_() for b in make_biases(ws, wt))
+    kwargs = dict(labels=labels, temperature=0.7, reduction="sum")
+    fused = nitrobrew.jsd(xs, xt, ws, wt, beta=0.3, bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.3,
+                          logit_scale_t=2.0, softcap_s=5.0, **kwargs)
+    zs = 5.0 * torch.tanh(0.3 * (xs @ ws.T + bias_s) / 5.0)
+    zt = 2.0 * (xt @ wt.T + bias_t)
+    materialized = nitrobrew.logits.jsd(zs, zt, beta=0.3, **kwargs)
+    torch.testing.assert_close(fused, materialized, rtol=1e-12, atol=1e-12)
+    (grad_fused,) = torch.autograd.grad(fused, bias_s)
+    (grad_materialized,) = torch.autograd.grad(materialized, bias_s)
+    torch.testing.assert_close(grad_fused, grad_materialized, rtol=1e-10, atol=1e-12)
+    nitrobrew.forward_kl(xs, xt, ws, wt, bias_t=bias_t, **kwargs).backward()
+    assert bias_t.grad is None, "bias_t is the teacher's: no gradient"
 
 
 @pytest.mark.parametrize("beta", [1e-3, 0.1, 0.9, 0.999, 1 - 1e-6])

@@ -39,6 +39,8 @@ def tiny(family: str, *, hidden: int, vocab: int = V, seed: int = 0, **extra):
     with torch.no_grad():  # logits of a useful spread (random init gives nearly uniform distributions)
         head = model.get_output_embeddings()
         head.weight.mul_(8.0)
+        if head.bias is not None:  # initialized to zeros: give it logits' worth of spread
+            head.bias.normal_(0.0, 2.0)
     return model.float()
 
 
@@ -96,7 +98,7 @@ def assert_same(ours, theirs, rtol=2e-4, atol=2e-6):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "cohere", "granite", "phi"])
 @pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd"])
 def test_equals_the_loss_from_the_models_own_logits(family, loss):
     student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
@@ -172,13 +174,26 @@ def test_logit_scales_are_read_from_the_config(family):
     torch.testing.assert_close(u.scale * (h @ u.weight.T), model(input_ids=input_ids).logits)
 
 
-@pytest.mark.parametrize("family, what", [("cohere", "logit scale"), ("granite", "logit scale"),
-                                          ("phi", "lm_head bias")])
-def test_transforms_the_kernels_lack_are_a_clear_error(family, what):
-    student, teacher = tiny(family, hidden=32), tiny(family, hidden=32, seed=7)
-    input_ids, _ = batch()
-    with pytest.raises(NotImplementedError, match=what):
-        nitrobrew.hf.distillation_loss(student, teacher, input_ids)
+def test_lm_head_biases_are_read_and_trained():
+    model = tiny("phi", hidden=32)
+    u = nitrobrew.hf.unembedding(model)
+    assert u.bias is model.get_output_embeddings().bias and u.bias.abs().max() > 1
+    student, teacher = model, tiny("phi", hidden=48, seed=7)
+    input_ids, attention_mask = batch()
+    nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask).backward()
+    assert u.bias.grad is not None and u.bias.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("student_family, teacher_family", [("phi", "cohere"), ("granite", "gemma2"),
+                                                            ("llama", "phi")])
+def test_pairs_of_different_families(student_family, teacher_family):
+    # Each side's own transform (bias, logit scale, soft-cap), the student's gradients through it.
+    student, teacher = tiny(student_family, hidden=32), tiny(teacher_family, hidden=48, seed=10)
+    input_ids, attention_mask = batch()
+    options = dict(attention_mask=attention_mask, loss="jsd", beta=0.3, temperature=0.8)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
+    assert_same(ours, theirs)
 
 
 def test_an_unknown_logit_transform_is_caught_by_the_check():
@@ -269,8 +284,10 @@ def test_trl_gkd_trainer_gives_trl_s_loss():
             assert_same(ours, theirs)
 
 
-@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
-def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature):
+@pytest.mark.parametrize("beta, temperature, families", [(0.0, 1.0, ("llama", "llama")), (0.5, 2.0, ("llama", "llama")),
+                                                         (1.0, 1.0, ("llama", "llama")), (0.5, 1.5, ("phi", "cohere")),
+                                                         (0.2, 1.0, ("granite", "phi"))])
+def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature, families):
     # nitrobrew.trl.DistillationTrainer._compute_loss against TRL's on the same prompts and completions,
     # with the trainer's state that _compute_loss reads set by hand (a full trainer generates).
     pytest.importorskip("trl")
@@ -280,7 +297,7 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature):
 
     from nitrobrew.trl import DistillationTrainer
 
-    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=64, seed=13)
+    student, teacher = tiny(families[0], hidden=32), tiny(families[1], hidden=64, seed=13)
     input_ids, attention_mask = batch()
     inputs = dict(prompt_ids=input_ids[:, :4], prompt_mask=attention_mask[:, :4], completion_ids=input_ids[:, 4:],
                   completion_mask=attention_mask[:, 4:])

@@ -10,7 +10,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import assert_close_to_oracle
+from helpers import assert_close_to_oracle, bias_gradient_k
 from nitrobrew import reference
 
 NORMALIZE = ["full", "topk"]
@@ -37,11 +37,15 @@ def to_device(t, device):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
 
 
-def values_and_grads(fn, xs, ws, ids, lps, upstream, **options):
-    xs_, ws_ = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
-    loss = fn(xs_, ws_, ids, lps, **options)
-    dxs, dws = torch.autograd.grad(loss, (xs_, ws_), upstream.to(loss.dtype).to(loss.device))
-    return loss.detach().cpu(), dxs.cpu(), dws.cpu()
+def values_and_grads(fn, xs, ws, ids, lps, upstream, bias_s=None, **options):
+    """loss, dxs, dws (and dbias_s with a bias)."""
+    leaves = [xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()]
+    if bias_s is not None:
+        bias_s = bias_s.detach().clone().requires_grad_()
+        leaves.append(bias_s)
+    loss = fn(*leaves[:2], ids, lps, bias_s=bias_s, **options)
+    grads = torch.autograd.grad(loss, leaves, upstream.to(loss.dtype).to(loss.device))
+    return (loss.detach().cpu(), *(g.cpu() for g in grads))
 
 
 def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", chunk_V=None, **options):
@@ -60,12 +64,19 @@ def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cp
     on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
     ours = values_and_grads(nitrobrew.topk_kl, to_device(xs, device), to_device(ws, device), ids.to(device),
                             lps.to(device), upstream, chunk_V=chunk_V, **on_device)
-    oracle = values_and_grads(ref, xs.double(), ws.double(), ids, lps.double(), upstream, **options)
-    same_precision = values_and_grads(ref, xs.to(same), ws.to(same), ids, lps.to(same), upstream, **options)
+
+    def in_dtype(dtype):
+        return {key: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for key, v in options.items()}
+
+    oracle = values_and_grads(ref, xs.double(), ws.double(), ids, lps.double(), upstream, **in_dtype(torch.float64))
+    same_precision = values_and_grads(ref, xs.to(same), ws.to(same), ids, lps.to(same), upstream, **in_dtype(same))
     assert ours[0].dtype == same and ours[1].dtype == xs.dtype and ours[2].dtype == ws.dtype
+    assert len(ours) == len(oracle)
     what = f"normalize={options.get('normalize', 'full')}"
-    for name, a, o, s in zip(("loss", "dxs", "dws"), ours, oracle, same_precision):
-        assert_close_to_oracle(a, o, s, k=k, rel_floor=rel_floor, abs_floor=loss_floor if name == "loss" else 0.0,
+    k_bias = bias_gradient_k(torch.empty(0, dtype=xs.dtype, device=device), k)
+    for name, a, o, s in zip(("loss", "dxs", "dws", "dbias_s"), ours, oracle, same_precision):
+        assert_close_to_oracle(a, o, s, k=k_bias if name == "dbias_s" else k, rel_floor=rel_floor, abs_floor=loss_floor if name == "loss" else 0.0,
                                what=f"{name} {what}")
 
 
@@ -123,6 +134,22 @@ def test_ids_at_tile_edges_and_many_per_tile(dtype, device):
     ids = ids.gather(1, torch.argsort(torch.rand(rows, k, generator=g), dim=1))
     lps = torch.log_softmax(torch.randn(rows, v, generator=g, dtype=torch.float64) * 3, -1).gather(1, ids).float()
     check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device=device)
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("bias,logit_scale", [(True, 1.0), (False, 0.0625), (True, 2.5)])
+@pytest.mark.parametrize("masked,reduction", [(False, "mean"), (True, "none")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_and_logit_scale(normalize, bias, logit_scale, masked, reduction, dtype, device):
+    # A student with an lm_head bias (std 2 in logit units) and Cohere's or Granite's logit multiplier.
+    if device == "cpu" and dtype == torch.bfloat16:
+        dtype = torch.float64
+    xs, ws, ids, lps, labels = make_problem(k=20, masked_rows=masked, dtype=dtype, v=700)
+    bias_s = (torch.randn(700, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 2).to(dtype)
+    rel_floor = 1e-12 if dtype == torch.float64 else 1e-6
+    check(xs, ws, ids, lps, normalize=normalize, reduction=reduction, labels=labels if masked else None,
+          temperature=0.8, bias_s=bias_s if bias else None, logit_scale_s=logit_scale, device=device,
+          rel_floor=rel_floor, chunk_V=96)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
@@ -233,6 +260,18 @@ def test_errors(change, error, match):
         nitrobrew.topk_kl(xs, ws, ids, lps)
 
 
+@pytest.mark.parametrize("options, error, match", [
+    (dict(bias_s=torch.zeros(39)), ValueError, r"bias_s must be \[V\] with one entry per row of ws \(40\)"),
+    (dict(bias_s=torch.zeros(40, dtype=torch.int32)), TypeError, "bias_s must be float32"),
+    (dict(logit_scale_s=0.0), ValueError, "logit_scale_s must be a positive"),
+    (dict(logit_scale_s=float("inf")), ValueError, "logit_scale_s must be a positive"),
+])
+def test_bias_and_logit_scale_errors(options, error, match):
+    xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
+    with pytest.raises(error, match=match):
+        nitrobrew.topk_kl(xs, ws, ids, lps, **options)
+
+
 def test_ignore_index_must_be_an_int():
     xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
     with pytest.raises(TypeError, match="ignore_index must be an int"):
@@ -251,22 +290,26 @@ def test_unknown_normalize_is_an_error():
 def test_op_rejects_ids_out_of_range_on_the_cpu():
     xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
     with pytest.raises(RuntimeError, match=r"teacher_ids must be in \[0, V = 40\)"):
-        torch.ops.nitrobrew.topk_linear_fwd(xs, ws, ids + 40, lps, None, -100, 1.0, False, 0)
+        torch.ops.nitrobrew.topk_linear_fwd(xs, ws, ids + 40, lps, None, None, -100, 1.0, 1.0, False, 0)
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_opcheck(renormalize, device):
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck(renormalize, bias, device):
     xs, ws, ids, lps, labels = make_problem(lead=(6,), v=70, k=5, masked_rows=True)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    bias_s = torch.randn(70, device=device).requires_grad_() if bias else None
     xs.requires_grad_()
     ws.requires_grad_()
-    args = (ids, lps, labels, -100, 1.5, renormalize, 0)
+    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0)
     torch.library.opcheck(torch.ops.nitrobrew.topk_linear_fwd.default, (xs, ws) + args)
+    bias_s = None if bias_s is None else bias_s.detach()
+    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0)
     _, row_stats = torch.ops.nitrobrew.topk_linear_fwd(xs.detach(), ws.detach(), *args)
-    for compute_dxs, compute_dws in ((True, True), (True, False), (False, True)):
+    for compute in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
         torch.library.opcheck(torch.ops.nitrobrew.topk_linear_bwd.default,
-                              (torch.randn(6, device=device), xs.detach(), ws.detach(), ids, lps, labels, row_stats,
-                               -100, 1.5, renormalize, 0, compute_dxs, compute_dws))
+                              (torch.randn(6, device=device), xs.detach(), ws.detach(), ids, lps, labels, bias_s,
+                               row_stats, *args[4:], *compute))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -274,16 +317,18 @@ def test_torch_compile_fullgraph_with_backward(dynamic, device):
     xs, ws, ids, lps, labels = make_problem(lead=(2, 4), v=90, k=6, masked_rows=True)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
 
-    def step(a, w, ids, lps, labels):
-        return nitrobrew.topk_kl(a, w, ids, lps, temperature=2.0, labels=labels) * 2.0
+    bias_s = torch.randn(90, device=device)
+
+    def step(a, w, ids, lps, labels, b):
+        return nitrobrew.topk_kl(a, w, ids, lps, temperature=2.0, labels=labels, bias_s=b, logit_scale_s=0.5) * 2.0
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
     results = []
     for fn in (step, compiled):
-        a, w = xs.clone().requires_grad_(), ws.clone().requires_grad_()
-        loss = fn(a, w, ids, lps, labels)
+        a, w, b = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+        loss = fn(a, w, ids, lps, labels, b)
         loss.backward()
-        results.append((loss.detach(), a.grad, w.grad))
+        results.append((loss.detach(), a.grad, w.grad, b.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager)
 

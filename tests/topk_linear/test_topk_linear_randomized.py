@@ -2,8 +2,10 @@
 gradients); tests/randomized.py sets the count."""
 
 import pytest
+import torch
 
 import test_topk_linear
+from nitrobrew import reference
 from randomized import DEVICES, SEEDS, draw, log_uniform, loss_floor, rounding_floor
 
 
@@ -22,7 +24,12 @@ def test_randomized(seed, device):
     if masked:
         options["labels"] = labels
     chunk_V = rng.choice([None, rng.randint(1, 400)]) if device == "cpu" else None
+    # an lm_head bias and a logit multiplier (drawn last: the earlier draws of a seed stay as they were)
+    bias = torch.randn(v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * rng.choice([0.5, 3.0])
+    options.update(bias_s=rng.choice([None, bias.to(dtype)]), logit_scale_s=rng.choice([1.0, log_uniform(rng, 0.05, 4.0)]))
     print(f"seed {seed}: lead={lead} v={v} d={d} k={k} {dtype} {options}")
-    size = (xs.double() @ ws.double().T).abs().max().item() / options["temperature"] + lps.abs().max().item()
+    logits = reference.model_logits(xs.double(), ws.double(), logit_scale=options["logit_scale_s"],
+                                    bias=None if options["bias_s"] is None else options["bias_s"].double())
+    size = logits.abs().max().item() / options["temperature"] + lps.abs().max().item()
     test_topk_linear.check(xs, ws, ids, lps, device=device, chunk_V=chunk_V, rel_floor=rounding_floor(dtype, size),
                            loss_floor=loss_floor(dtype, size, v, xs[..., 0].numel(), options["reduction"]), **options)

@@ -47,6 +47,25 @@ def test_every_kernel_once():
 
 
 
+def test_bias_and_logit_scale_once():
+    # The bias read per tile column and per gathered id, and its gradient (the chunk's products for
+    # "full", the id runs for "topk").
+    dev = "cuda"
+    for n, v, d, k in [(400, 1000, 200, 64), (70, 1700, 24, 9)]:
+        xs = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        ws = torch.randn(v, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.randn(v, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.randint(0, v, (n, k), device=dev)
+        ids[:, -1] = ids[:, 0]  # a repeated id
+        lps = torch.log_softmax(torch.randn(n, k, device=dev), -1) - 1.0
+        for normalize in ("full", "topk"):
+            loss = nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize, bias_s=bias, logit_scale_s=0.5,
+                                     temperature=2.0)
+            loss.backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and torch.isfinite(bias.grad).all() and torch.isfinite(ws.grad).all()
+
+
 def test_ids_out_of_range_stay_inside_the_weights(monkeypatch):
     # Where the Python check cannot run (torch.compile, CUDA graphs): the guarded ids read no row
     # outside ws, in either normalization's kernels; the rows come out NaN.

@@ -12,6 +12,8 @@
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
+#   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
+#   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
 set -uo pipefail
@@ -73,6 +75,12 @@ for step in $steps; do
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
+    bench_model_options) run bench_model_options python3 benchmarks/fused_linear.py --device cuda --rounds 3 \
+                           --methods cublas_gemms nitrobrew nitrobrew_bias nitrobrew_scale \
+                           --out "$OUT/fused_linear_model_options_cuda.csv" ;;
+    hf_step) for pair in ${HF_PAIRS:-qwen llama}; do
+               run "hf_step_$pair" python3 benchmarks/hf_step.py --model "$pair" --out "$OUT/hf_step_${pair}_cuda.csv"
+             done ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
     *) echo "unknown step: $step"; status=1 ;;
   esac

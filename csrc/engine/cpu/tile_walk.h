@@ -39,10 +39,11 @@ inline TilePlan plan_tiles(int64_t num_rows, int64_t vocab_size, int64_t chunk_v
 }
 
 // The logits a walk covers: num_rows rows x the first vocab_size entries, each model's logits
-// soft-capped (cap <= 0: none).
+// multiplied by its scale and soft-capped (cap <= 0: none): model_logit in numerics.h.
 struct WalkShape {
   int64_t num_rows, vocab_size;
   double softcap_s, softcap_t;
+  double scale_s = 1.0, scale_t = 1.0;
 };
 
 // Sums K series term(v) -> std::array<T, K> over v in [0, count) in kLanes interleaved
@@ -69,29 +70,36 @@ std::array<T, K> lane_sums(int64_t count, Term term) {
 struct LogitTile {
   int64_t v0, cols;    // vocabulary entries [v0, v0 + cols)
   int64_t r0, rows;    // rows [r0, r0 + rows)
-  at::Tensor zs, zt;   // [rows, cols] soft-capped logits (before the temperature), contiguous
+  at::Tensor zs, zt;   // [rows, cols] the models' logits (before the temperature), contiguous
   at::Tensor ws_tile;  // [cols, D_s] student unembedding rows, in the accumulation dtype (products only)
   at::Tensor xs_rows;  // [rows, D_s] student hidden states, in the accumulation dtype (products only)
 };
 
-// Where a walk's logit tiles come from. Products: the fused-linear ops' x . w^T. xs_acc, xt_acc
-// are [N, D] in the accumulation dtype; ws, wt in the input dtype.
+// Where a walk's logit tiles come from. Products: the fused-linear ops' x . w^T (+ bias). xs_acc,
+// xt_acc are [N, D] in the accumulation dtype; ws, wt in the input dtype; bias_s, bias_t [V_rows] in
+// the accumulation dtype, or undefined for none.
 struct ProductTiles {
   const at::Tensor& xs_acc;
   const at::Tensor& xt_acc;
   const at::Tensor& ws;
   const at::Tensor& wt;
-  at::Tensor ws_tile, wt_tile;  // the current vocabulary tile's rows, in the accumulation dtype
+  at::Tensor bias_s = {}, bias_t = {};
+  at::Tensor ws_tile = {}, wt_tile = {};  // the current vocabulary tile's rows, in the accumulation dtype
+  at::Tensor bs_tile = {}, bt_tile = {};
 
   void begin_vocab_tile(int64_t v0, int64_t cols) {
     ws_tile = ws.narrow(0, v0, cols).to(xs_acc.scalar_type()).contiguous();  // [cols, D_s]
     wt_tile = wt.narrow(0, v0, cols).to(xs_acc.scalar_type()).contiguous();  // [cols, D_t]
+    if (bias_s.defined()) bs_tile = bias_s.narrow(0, v0, cols);
+    if (bias_t.defined()) bt_tile = bias_t.narrow(0, v0, cols);
   }
   void fill(LogitTile& tile) const {
     tile.ws_tile = ws_tile;
     tile.xs_rows = xs_acc.narrow(0, tile.r0, tile.rows);
     at::mm_out(tile.zs, tile.xs_rows, ws_tile.t());
     at::mm_out(tile.zt, xt_acc.narrow(0, tile.r0, tile.rows), wt_tile.t());
+    if (bs_tile.defined()) tile.zs.add_(bs_tile);
+    if (bt_tile.defined()) tile.zt.add_(bt_tile);
   }
 };
 
@@ -120,8 +128,8 @@ void walk_logit_tiles(Source& source, const WalkShape& p, const TilePlan& plan,
   if (n_rows == 0) return;
   at::Tensor zs_buffer = at::empty({plan.row_tile * plan.vocab_tile}, acc_options);
   at::Tensor zt_buffer = at::empty({plan.row_tile * plan.vocab_tile}, acc_options);
-  const acc_t cap_s = static_cast<acc_t>(p.softcap_s);
-  const acc_t cap_t = static_cast<acc_t>(p.softcap_t);
+  const acc_t cap_s = static_cast<acc_t>(p.softcap_s), scale_s = static_cast<acc_t>(p.scale_s);
+  const acc_t cap_t = static_cast<acc_t>(p.softcap_t), scale_t = static_cast<acc_t>(p.scale_t);
 
   for (int64_t v0 = 0; v0 < p.vocab_size; v0 += plan.vocab_tile) {
     const int64_t cols = std::min(plan.vocab_tile, p.vocab_size - v0);
@@ -139,11 +147,11 @@ void walk_logit_tiles(Source& source, const WalkShape& p, const TilePlan& plan,
         for (int64_t r = begin; r < end; ++r) {
           acc_t* zs_row = zs + r * cols;
           acc_t* zt_row = zt + r * cols;
-          if (cap_s > acc_t(0)) {
-            for (int64_t v = 0; v < cols; ++v) zs_row[v] = softcap(zs_row[v], cap_s);
+          if (cap_s > acc_t(0) || scale_s != acc_t(1)) {
+            for (int64_t v = 0; v < cols; ++v) zs_row[v] = model_logit(zs_row[v], scale_s, cap_s);
           }
-          if (cap_t > acc_t(0)) {
-            for (int64_t v = 0; v < cols; ++v) zt_row[v] = softcap(zt_row[v], cap_t);
+          if (cap_t > acc_t(0) || scale_t != acc_t(1)) {
+            for (int64_t v = 0; v < cols; ++v) zt_row[v] = model_logit(zt_row[v], scale_t, cap_t);
           }
           visitor.visit_row(r0 + r, v0, cols, zs_row, zt_row);
         }

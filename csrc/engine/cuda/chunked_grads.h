@@ -18,13 +18,16 @@ using FillGradChunk = std::function<void(int64_t chunk_begin, int64_t chunk_cols
 // most max_chunk_cols wide when that is > 0, rounded up to the alignment) and returns
 //   dxs = g * sum_chunks dz_chunk . ws_chunk       (accumulated in float32)
 //   dws[chunk] = dz_chunk^T . (g * xs)             (rows past vocab_size are 0)
-// in xs's dtype, each an empty tensor when not requested. g = grad_loss [N]. xs and ws must have
-// unit-stride rows. Extra memory: the chunk buffer (at most ~192 MiB), the float32 dxs
-// accumulator and g * xs.
-std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
-                                                        const at::Tensor& ws, int64_t vocab_size,
-                                                        int64_t max_chunk_cols, bool compute_dxs, bool compute_dws,
-                                                        const FillGradChunk& fill);
+//   dbias[chunk] = dz_chunk^T . g                  (an lm_head bias's; float32 sums, g rounded to
+//                                                   xs's dtype as g * xs is; rows past vocab_size 0)
+// in xs's dtype, each an empty tensor when not requested. g = grad_loss [N] (a logit scale folded
+// in by the caller). xs and ws must have unit-stride rows. Extra memory: the chunk buffer (at most
+// ~192 MiB), the float32 dxs accumulator and g * xs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
+                                                                    const at::Tensor& ws, int64_t vocab_size,
+                                                                    int64_t max_chunk_cols, bool compute_dxs,
+                                                                    bool compute_dws, bool compute_dbias,
+                                                                    const FillGradChunk& fill);
 
 }  // namespace cuda
 }  // namespace nitrobrew

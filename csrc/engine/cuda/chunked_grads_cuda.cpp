@@ -2,6 +2,7 @@
 // pass writes dLoss/dz, and cuBLAS accumulates
 //   dxs += dz_chunk . ws_chunk          (float32 accumulator, scaled by g per row at the end)
 //   dws_chunk = dz_chunk^T . (g * xs)
+//   dbias_chunk = dz_chunk^T . g
 // Extra memory: the chunk ([N x chunk] in the inputs' dtype, at most kChunkBytes), the float32
 // dxs accumulator and g * xs: never O(N x V).
 #include "chunked_grads.h"
@@ -45,10 +46,11 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
-                                                        const at::Tensor& ws, int64_t vocab_size,
-                                                        int64_t max_chunk_cols, bool compute_dxs, bool compute_dws,
-                                                        const FillGradChunk& fill) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
+                                                                    const at::Tensor& ws, int64_t vocab_size,
+                                                                    int64_t max_chunk_cols, bool compute_dxs,
+                                                                    bool compute_dws, bool compute_dbias,
+                                                                    const FillGradChunk& fill) {
   const int64_t n = xs.size(0), hidden = xs.size(1), elem = xs.element_size();
   const auto dtype = xs.scalar_type();
   const at::Tensor g = grad_loss.to(at::kFloat).unsqueeze(1);  // [N, 1]
@@ -68,12 +70,17 @@ std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_l
       dws.narrow(0, vocab_size, ws.size(0) - vocab_size).zero_();
     }
   }
+  at::Tensor g_low, dbias_acc;  // g in xs's dtype [N], the float32 bias gradient [V_rows]
+  if (compute_dbias) {
+    g_low = grad_loss.to(dtype).contiguous();
+    dbias_acc = at::zeros({ws.size(0)}, xs.options().dtype(at::kFloat));
+  }
   int64_t chunk = std::max<int64_t>(kGradChunkAlign,
                                     kChunkBytes / std::max<int64_t>(n * elem, 1) / kGradChunkAlign * kGradChunkAlign);
   if (max_chunk_cols > 0) chunk = std::min(chunk, round_up(max_chunk_cols, kGradChunkAlign));
   chunk = std::min(chunk, round_up(vocab_size, kGradChunkAlign));
   at::Tensor dz = at::empty({n, chunk}, xs.options());
-  for (int64_t c0 = 0; n > 0 && (compute_dxs || compute_dws) && c0 < vocab_size; c0 += chunk) {
+  for (int64_t c0 = 0; n > 0 && (compute_dxs || compute_dws || compute_dbias) && c0 < vocab_size; c0 += chunk) {
     const int64_t cols = std::min(chunk, vocab_size - c0);
     fill(c0, cols, dz);
     if (compute_dxs) {  // dxs_acc^T [D x N] += ws_chunk^T [D x cols] . dz^T [cols x N]
@@ -85,6 +92,10 @@ std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_l
       gemm(true, hidden, cols, n, xs_scaled.data_ptr(), dtype, hidden, dz.data_ptr(), chunk, 0.f,
            static_cast<char*>(dws.data_ptr()) + c0 * dws.stride(0) * elem, dtype, dws.stride(0));
     }
+    if (compute_dbias) {  // dbias_chunk [cols x 1] = dz^T [cols x N] . g [N x 1]
+      gemm(false, cols, 1, n, dz.data_ptr(), dtype, chunk, g_low.data_ptr(), n, 0.f,
+           dbias_acc.data_ptr<float>() + c0, at::kFloat, cols);
+    }
   }
   at::Tensor dxs = at::empty({0}, xs.options());
   if (compute_dxs) {
@@ -92,7 +103,8 @@ std::tuple<at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_l
     at::mul_out(dxs, dxs_acc, g);  // float32 in, the inputs' dtype out
   }
   if (!compute_dws) dws = at::empty({0}, ws.options());
-  return {dxs, dws};
+  const at::Tensor dbias = compute_dbias ? dbias_acc.to(ws.scalar_type()) : at::empty({0}, ws.options());
+  return {dxs, dws, dbias};
 }
 
 }  // namespace cuda

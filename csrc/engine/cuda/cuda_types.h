@@ -1,5 +1,6 @@
 // The CUDA storage type of a torch scalar type: __nv_bfloat16 for at::BFloat16, __half for
-// at::Half, the type itself otherwise; and the dispatch over the types the CUDA kernels take.
+// at::Half, the type itself otherwise; conversions to and from it; and the dispatch over the types
+// the CUDA kernels take.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -16,6 +17,32 @@ namespace cuda {
 template <typename scalar_t>
 using cuda_type_t = std::conditional_t<std::is_same_v<scalar_t, at::BFloat16>, __nv_bfloat16,
                                        std::conditional_t<std::is_same_v<scalar_t, at::Half>, __half, scalar_t>>;
+
+#if defined(__CUDACC__)
+// Conversions between a storage type and the math's type (16-bit types have no
+// implicit conversions in torch's CUDA builds).
+template <typename acc_t, typename T>
+__device__ __forceinline__ acc_t to_acc(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(x);
+  } else {
+    return static_cast<acc_t>(x);
+  }
+}
+
+template <typename T, typename acc_t>
+__device__ __forceinline__ T from_acc(acc_t x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16(x);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __float2half(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+#endif
 
 }  // namespace cuda
 }  // namespace nitrobrew

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "../numerics.h"
+#include "cuda_types.h"
 
 namespace nitrobrew {
 namespace cuda {
@@ -27,30 +28,6 @@ struct RowExp {
     }
   }
 };
-
-// Conversions between the logits' storage type and the row math's type (16-bit types have no
-// implicit conversions in torch's CUDA builds).
-template <typename acc_t, typename T>
-__device__ __forceinline__ acc_t to_acc(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return static_cast<acc_t>(x);
-  }
-}
-
-template <typename T, typename acc_t>
-__device__ __forceinline__ T from_acc(acc_t x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16(x);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half(x);
-  } else {
-    return static_cast<T>(x);
-  }
-}
 
 // Element v of row n of a [N, V] matrix at any strides.
 template <typename T>

@@ -17,8 +17,8 @@
 // A pass type provides
 //   Args      the kernel arguments: T* xs, xt, ws, wt; row strides ld_xs, ld_xt, ld_ws, ld_wt;
 //             n_rows, d_s, d_t, vocab_size; labels (or nullptr) and ignore_index, which mask rows
-//             (FragmentRows); softcap_s, softcap_t (applied to each tile, <= 0: none); whatever
-//             else the pass reads;
+//             (FragmentRows); model_s, model_t (ModelLogits: what turns each product tile into
+//             the model's logits); whatever else the pass reads;
 //   Params    the pass's own outputs and inputs;
 //   kStudentOnly  true: only xs . ws^T is multiplied (the tile is passed as both arguments);
 //   Pass(a, rows, params); tile(a, rows, v0, zs, zt) for each tile at vocabulary offset v0, read
@@ -38,6 +38,7 @@
 
 #include "../numerics.h"
 #include "arch.h"
+#include "cuda_types.h"
 #include "vocab_walk.h"
 #include "sm90/ring.cuh"
 #include "sm90/tma.h"
@@ -90,24 +91,62 @@ __device__ __forceinline__ Operand<T> rows_of(const T* base, int64_t ld, int64_t
   return Operand<T>{base + first * ld, ld, total - first};
 }
 
-template <int kN>
-__device__ __forceinline__ void apply_softcap(TileAcc<kN>& z, float cap) {
-  if (cap <= 0.f) return;
+// What turns a model's product tile x . w^T into its logits: softcap(scale * (z + bias[v]))
+// (model_logit, numerics.h): an lm_head bias, a logit multiplier (Cohere, Granite), a soft-cap
+// (Gemma). The passes see the logits; their backwards write dLoss/d(scale * (z + bias)) and fold
+// `scale` into the upstream gradient.
+template <typename T>
+struct ModelLogits {
+  const T* bias;  // [>= vocab_size] or nullptr
+  float scale;    // 1: none
+  float softcap;  // <= 0: none
+};
+
+// A thread's fragment of the product tile at vocabulary offset v0 into the model's logits. Nothing
+// to do for most models; a bias costs two loads per 8-column n-tile, which the block's other
+// threads mostly find in L1. Columns past the vocabulary get no bias (the passes skip them).
+template <typename T, int kN>
+__device__ __forceinline__ void apply_model_logits(TileAcc<kN>& z, const ModelLogits<T>& f, int64_t v0,
+                                                   int64_t vocab_size) {
+  if (f.bias != nullptr) {
 #pragma unroll
-  for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < kN; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) z.v[j][e] = softcap(z.v[j][e], cap);
+      for (int e = 0; e < 2; ++e) {
+        const int64_t col = v0 + fragment_col(j, e);
+        const float b = col < vocab_size ? to_acc<float>(f.bias[col]) : 0.f;
+        z.v[j][e] += b;
+        z.v[j][2 + e] += b;
+      }
+    }
+  }
+  // Separate loops, each behind its own uniform branch: one loop of model_logit (a multiply, then the
+  // soft-cap's division and tanh behind a per-entry branch) cost the forward 35% with a scale alone,
+  // its code inlined at every call site (N = 8192, Qwen shape, H100).
+  if (f.scale != 1.f) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z.v[j][e] *= f.scale;
+    }
+  }
+  if (f.softcap > 0.f) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) z.v[j][e] = softcap(z.v[j][e], f.softcap);
+    }
   }
 }
 
-// Computes the student and teacher logit tiles at vocabulary offset v0, soft-capped.
+// Computes the student and teacher logit tiles at vocabulary offset v0.
 template <typename T, bool kVec, typename Args>
 __device__ __forceinline__ void logit_tiles(Acc& zs, Acc& zt, SmemTile<T>& smem, const Args& a,
                                             int64_t row0, int64_t v0) {
   tile_gemm<T, kVec>(zs, smem, rows_of(a.xs, a.ld_xs, row0, a.n_rows), rows_of(a.ws, a.ld_ws, v0, a.vocab_size), a.d_s);
   tile_gemm<T, kVec>(zt, smem, rows_of(a.xt, a.ld_xt, row0, a.n_rows), rows_of(a.wt, a.ld_wt, v0, a.vocab_size), a.d_t);
-  apply_softcap(zs, a.softcap_s);
-  apply_softcap(zt, a.softcap_t);
+  apply_model_logits(zs, a.model_s, v0, a.vocab_size);
+  apply_model_logits(zt, a.model_t, v0, a.vocab_size);
 }
 
 // The sm_80 path (mma.sync; runs on sm_90 too). Grid: (row tiles of 64, splits). Each block
@@ -126,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (Pass::kStudentOnly) {
       tile_gemm<T, kVec>(zs, smem, rows_of(a.xs, a.ld_xs, row0, a.n_rows), rows_of(a.ws, a.ld_ws, v0, a.vocab_size),
                          a.d_s);
-      apply_softcap(zs, a.softcap_s);
+      apply_model_logits(zs, a.model_s, v0, a.vocab_size);
       pass.tile(a, rows, v0, zs, zs);
     } else {
       logit_tiles<T, kVec>(zs, zt, smem, a, row0, v0);
@@ -223,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (parked >= 0) {
           for (int piece = k_slabs_s; piece < kPieces; ++piece) pass.tile_piece(a, rows, parked, piece, zs_parked);
         }
-        apply_softcap(z, a.softcap_s);
+        apply_model_logits(z, a.model_s, tile * kCols, a.vocab_size);
         if (pass.folds_later(a, tile * kCols, kCols)) {
           zs_parked.park(z);
           parked = tile * kCols;
@@ -238,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       for (int64_t tile = first; tile < last; ++tile) {
         ring.multiply<T>(z, k_slabs_s, lane);
-        apply_softcap(z, a.softcap_s);
+        apply_model_logits(z, a.model_s, tile * kCols, a.vocab_size);
         if constexpr (Pass::kStudentOnly) {
           pass.tile(a, rows, tile * kCols, z, z);
         } else {
@@ -252,13 +291,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (ks < kPieces) pass.student_piece(a, ks, zs_parked);
               });
               for (int piece = k_slabs_t; piece < kPieces; ++piece) pass.student_piece(a, piece, zs_parked);
-              apply_softcap(z, a.softcap_t);
+              apply_model_logits(z, a.model_t, tile * kCols, a.vocab_size);
               pass.tile_after_student(a, zs_parked, z);
               continue;
             }
           }
           ring.multiply<T>(z, k_slabs_t, lane);
-          apply_softcap(z, a.softcap_t);
+          apply_model_logits(z, a.model_t, tile * kCols, a.vocab_size);
           pass.tile(a, rows, tile * kCols, zs_parked, z);
         }
       }
