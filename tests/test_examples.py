@@ -33,3 +33,21 @@ def test_distill_trl(tmp_path):
     pytest.importorskip("trl")
     out = run_example("distill_trl.py", tmp_path=tmp_path)
     assert "held-out KL" in out
+
+
+def test_hf_step_benchmark_smoke(tmp_path):
+    # benchmarks/hf_step.py's tiny CPU mode: both model pairs built, the losses checked against each other,
+    # a step timed per method and T, the CSV written.
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "hf_step.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_step.py"), "--device", "cpu", "--tiny",
+                             "--methods", "nitrobrew", "logits", "--check"], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0 and "the losses agree" in result.stdout, result.stdout + result.stderr
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_step.py"), "--device", "cpu", "--tiny",
+                             "--model", "qwen", "--methods", "nitrobrew", "logits", "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = out.read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
