@@ -256,3 +256,17 @@ def test_double_backward_is_a_clear_error(device):
     loss = nitrobrew_loss(xs, xt, ws, wt, beta=0.0)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(loss, xs, create_graph=True)
+
+
+def test_bias_gradient_alone(device):
+    # Only bias_s wants a gradient: the backward forms no dxs or dws, and the bias's equals the one
+    # computed with them.
+    xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
+    bias_s, bias_t = make_biases(ws, wt)
+    options = dict(beta=0.4, labels=labels, ce_weight=0.2, bias_t=bias_t, logit_scale_s=0.6)
+    b_alone = bias_s.clone().requires_grad_()
+    nitrobrew.jsd(xs, xt, ws, wt, bias_s=b_alone, **options).backward()
+    a, w, b_all = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+    nitrobrew.jsd(a, xt, w, wt, bias_s=b_all, **options).backward()
+    assert b_alone.grad.abs().max() > 0
+    torch.testing.assert_close(b_alone.grad, b_all.grad)

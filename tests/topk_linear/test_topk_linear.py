@@ -348,3 +348,19 @@ def test_ids_out_of_range_raise_and_leave_the_device_usable(device):
             nitrobrew.topk_kl(xs, ws, bad, lps, normalize=normalize)
         loss = nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize)
         assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_bias_gradient_alone(normalize, device):
+    # Only bias_s wants a gradient: the backward skips dxs and dws (on CUDA "topk" runs the id-run kernel
+    # without its dws rows) and must give the same bias gradient as when all three are wanted.
+    xs, ws, ids, lps, labels = make_problem(k=9, masked_rows=True, v=300)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    bias = torch.randn(300, device=device)
+    options = dict(normalize=normalize, labels=labels, logit_scale_s=0.7)
+    b_alone = bias.clone().requires_grad_()
+    nitrobrew.topk_kl(xs, ws, ids, lps, bias_s=b_alone, **options).backward()
+    a, w, b_all = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias.clone().requires_grad_()
+    nitrobrew.topk_kl(a, w, ids, lps, bias_s=b_all, **options).backward()
+    assert b_alone.grad.abs().max() > 0
+    torch.testing.assert_close(b_alone.grad, b_all.grad)
