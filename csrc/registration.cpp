@@ -34,12 +34,35 @@ TORCH_LIBRARY(nitrobrew, m) {
       "float logit_scale_s, float logit_scale_t, int vocab_size, int chunk_v, bool compute_dxs, "
       "bool compute_dws, bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
 
+  // A vocabulary shard's forward (nitrobrew.distributed): ws, wt hold the shard's rows, labels are
+  // local (a label outside [0, vocab_size) is another shard's: no column holds it, no error).
+  // Without row_stats: pass 1's unfinished row states [N, 8] (PartialField in
+  // divergence/row_partial.h; float32, float64 for float64 inputs), which merge_shards merges over
+  // the shards. With row_stats (merge_shards' output over the whole vocabulary; JSD only): the
+  // shard's JSD mixture sums [N, 2] in float64, KL(q||M) and KL(p||M).
+  m.def(
+      "fused_linear_shard(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
+      "Tensor? bias_t, Tensor? row_stats, int ignore_index, str divergence, float beta, float temperature, "
+      "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
+      "int vocab_size, int chunk_v) -> Tensor");
+  // Merges the R shards' row states (partials [R, N, 8], in shard order) and finishes the rows:
+  // (loss [N], row_stats [N, 7]) as fused_linear_fwd / logits_fwd return them over the whole
+  // vocabulary (vocab_size entries; labels global). JSD's loss also needs the shards' mixture sums
+  // ([R, N, 2]); without them only its row statistics' log-normalizers are final.
+  m.def(
+      "merge_shards(Tensor partials, Tensor? mixture, Tensor? labels, int ignore_index, str divergence, "
+      "float beta, float ce_weight, int vocab_size) -> (Tensor, Tensor)");
+
   // Distillation from logits (logits/, nitrobrew.logits), forward: the fused-linear losses from the
   // [N, V] logits zs, zt themselves (entries of -inf allowed: they have probability 0). Same outputs
   // and row statistics as fused_linear_fwd; every row needs a finite logit per model.
   m.def(
       "logits_fwd(Tensor zs, Tensor zt, Tensor? labels, int ignore_index, str divergence, float beta, "
       "float temperature) -> (Tensor, Tensor)");
+  // A vocabulary shard's forward, as fused_linear_shard (zs, zt: the shard's [N, V_shard] logits).
+  m.def(
+      "logits_shard(Tensor zs, Tensor zt, Tensor? labels, Tensor? row_stats, int ignore_index, "
+      "str divergence, float beta, float temperature) -> Tensor");
   // Recompute backward: dLoss/dzs [N, V] in zs's dtype from the per-row upstream gradient.
   m.def(
       "logits_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
@@ -76,6 +99,14 @@ TORCH_LIBRARY(nitrobrew, m) {
       "Tensor? labels, Tensor? bias_s, Tensor row_stats, int ignore_index, float temperature, "
       "float logit_scale_s, bool renormalize, int chunk_v, bool compute_dxs, bool compute_dws, "
       "bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
+
+  // Merges the R vocabulary shards' top-K parts (partials [R, N, 2 + K] float64: each shard's student
+  // log-normalizer of z / temperature over its rows, then the K student logits at the ids it holds, 0
+  // at the others') and finishes the rows: (loss [N], row_stats [N, 4 + K]) as topk_linear_fwd returns
+  // them over the whole vocabulary (loss float64 for float64 logits, else float32).
+  m.def(
+      "topk_merge_shards(Tensor partials, Tensor teacher_logprobs, Tensor? labels, int ignore_index, "
+      "float temperature, bool renormalize, bool float64_logits) -> (Tensor, Tensor)");
 
   // Attention-distribution KL (attention_kl/), forward. Layout [B, N, H, D]; scores
   // scale * q.k / temperature per model, keys hidden by key_mask ([B, N_k] bool, true = attended)

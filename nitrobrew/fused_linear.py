@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks
+from nitrobrew import _checks, distributed
 from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
@@ -88,6 +88,7 @@ def _fused_linear_loss(
     bias_t: Tensor | None = None,
     logit_scale_s: float = 1.0,
     logit_scale_t: float = 1.0,
+    process_group=None,
 ) -> Tensor:
     """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
@@ -113,6 +114,11 @@ def _fused_linear_loss(
     if wt.shape[1] != xt.shape[-1]:
         raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
+    sharded = distributed.sharded_weights(xs, xt, ws, wt, bias_s, bias_t) if process_group is None else None
+    tokens_sharded = False
+    if sharded is not None:  # DTensor weights: their local shards, over their mesh's group
+        (xs, xt, ws, wt, bias_s, bias_t), process_group, tokens_sharded = sharded
+        lead_shape = xs.shape[:-1]
     xs, xt, ws, wt = _checks.autocast_inputs(xs, xt, ws, wt)
     if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
         mismatch = "xs and ws" if ws.dtype != xs.dtype else "xt and wt" if wt.dtype != xt.dtype else "student and teacher"
@@ -137,11 +143,18 @@ def _fused_linear_loss(
     softcap_s = _checks.optional_positive_number(softcap_s, "softcap_s")
     softcap_t = _checks.optional_positive_number(softcap_t, "softcap_t")
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
+    flat_labels = labels.reshape(-1) if labels is not None else None
+    if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
+        call = distributed.FusedLinearCall(
+            divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
+            _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
+        loss = distributed.fused_linear_loss(xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt,
+                                             flat_labels, bias_s, bias_t, call, process_group, tokens_sharded)
+        return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
         _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
 
-    flat_labels = labels.reshape(-1) if labels is not None else None
     loss, _ = ops.fused_linear_fwd(
         xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt, flat_labels, bias_s, bias_t, ignore_index,
         divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size,
@@ -170,6 +183,11 @@ Args:
     bias_s, bias_t: [V] lm_head biases (one entry per row of ws / wt), or None.
     logit_scale_s, logit_scale_t: positive multipliers of each model's logits, applied before the
         soft-cap (Cohere's logit_scale, 1 / Granite's logits_scaling); 1.0 = none.
+    process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
+        a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
+        on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's
+        loss, xs.grad whole and ws.grad of its shard (nitrobrew.distributed). Weights given as
+        DTensors sharded on dim 0 need no group (see nitrobrew.distributed for the two cases).
 
 Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs, ws and bias_s.
 nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import torch
 
-from nitrobrew import _checks
+from nitrobrew import _checks, distributed
 from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
@@ -60,7 +60,8 @@ def _common_checks(zs, temperature, reduction, labels, ignore_index):
 
 
 def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
-                 reduction: str = "mean", labels: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+                 reduction: str = "mean", labels: Tensor | None = None, ignore_index: int = -100,
+                 process_group=None) -> Tensor:
     """The one signature of forward_kl, reverse_kl and jsd from logits (beta is jsd's alone)."""
     for name, value in (("zs", zs), ("zt", zt)):
         _checks.tensor(value, name)
@@ -76,6 +77,11 @@ def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, 
     lead_shape = zs.shape[:-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
     vocab = zs.shape[-1]
+    if process_group is not None:  # each rank holds a shard of the vocabulary: [..., V_shard]
+        call = distributed.FusedLinearCall(divergence, beta, temperature, 0.0, None, None, 1.0, 1.0, ignore_index,
+                                           None, 0)
+        loss = distributed.logits_loss(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, call, process_group)
+        return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     loss, _ = ops.logits_fwd(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index, divergence, beta,
                              temperature)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
@@ -92,6 +98,10 @@ Args:
         "batchmean" (= "mean").
     labels: int64, leading shape; rows whose label is ignore_index are masked.
     ignore_index: the label value of masked rows.
+    process_group: a torch.distributed group over which the vocabulary is sharded (Megatron's
+        vocabulary-parallel logits): zs, zt are this rank's [..., V_shard] columns, the ranks' shards
+        contiguous in rank order; every rank gets the whole vocabulary's loss and zs.grad of its shard
+        (nitrobrew.distributed).
 
 Returns float32 (float64 for float64 inputs); the gradient flows to zs only.
 """

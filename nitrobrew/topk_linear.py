@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks
+from nitrobrew import _checks, distributed
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
 from nitrobrew._registration import ops, register_recompute_op, row_outputs
@@ -42,7 +42,7 @@ _KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
 def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
             ignore_index: int = -100, chunk_V: int | None = None, bias_s: Tensor | None = None,
-            logit_scale_s: float = 1.0) -> Tensor:
+            logit_scale_s: float = 1.0, process_group=None) -> Tensor:
     """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
 
     Args:
@@ -57,6 +57,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
         bias_s: the student's [V] lm_head bias, or None. logit_scale_s: a positive multiplier of its logits
             (Cohere's logit_scale, 1 / Granite's logits_scaling), before the temperature.
+        process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds a
+            contiguous shard of ws (and bias_s), in rank order; xs and the teacher (whose ids stay global)
+            are the same on every rank. Every rank gets the whole vocabulary's loss, xs.grad whole and
+            ws.grad of its shard. ws given as a DTensor sharded on dim 0 needs no group
+            (nitrobrew.distributed).
 
     The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
     gradients flow to xs, ws and bias_s. Ids outside [0, V) raise an IndexError naming the first one and its position
@@ -69,8 +74,13 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0 or xs.shape[-1] == 0:
         raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1 and D >= 1, got {tuple(xs.shape)} and "
                          f"{tuple(ws.shape)}")
+    sharded = distributed.sharded_weights(xs, None, ws, None, bias_s, None) if process_group is None else None
+    tokens_sharded = False
+    if sharded is not None:  # a DTensor ws: its local shard, over its mesh's group
+        (xs, _, ws, _, bias_s, _), process_group, tokens_sharded = sharded
     lead_shape = xs.shape[:-1]
-    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, ws.shape[0], of="xs")
+    vocab = ws.shape[0] if process_group is None else distributed.vocabulary_rows(ws.shape[0], ws.device, process_group)
+    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, vocab, of="xs")
     _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     xs, ws = _checks.autocast_inputs(xs, ws)
     if ws.dtype != xs.dtype:
@@ -86,6 +96,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
+    if process_group is not None:
+        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0)
+        loss = distributed.topk_loss(xs.reshape(-1, xs.shape[-1]), ws, bias_s, teacher_ids.reshape(-1, k),
+                                     teacher_logprobs.reshape(-1, k), flat_labels, call, process_group, tokens_sharded)
+        return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     loss, _ = ops.topk_linear_fwd(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
                                   teacher_logprobs.reshape(-1, k), flat_labels, bias_s, ignore_index, temperature,
                                   logit_scale_s, normalize == "topk", chunk_V or 0)

@@ -14,6 +14,7 @@
 #include "../engine/cpu/tile_walk.h"
 #include "distill_params.h"
 #include "nonfinite.h"
+#include "row_partial.h"
 
 namespace nitrobrew {
 namespace cpu {
@@ -29,15 +30,18 @@ void walk_logit_tiles(Source& source, const DistillParams& p, const TilePlan& pl
                           plan, acc_options, visitor);
 }
 
-// Rows whose label is ignore_index take no part in the loss.
-inline std::vector<uint8_t> row_mask(const c10::optional<at::Tensor>& labels, const DistillParams& p) {
+// Rows whose label is ignore_index take no part in the loss. With check_label_range (a forward
+// with the CE add-on over the whole vocabulary), a label outside [0, vocab_size) raises; a shard's
+// forward and every backward take such labels as held by another shard (no column matches them).
+inline std::vector<uint8_t> row_mask(const c10::optional<at::Tensor>& labels, const DistillParams& p,
+                                     bool check_label_range) {
   std::vector<uint8_t> valid(p.num_rows, 1);
   if (!labels.has_value()) return valid;
   const at::Tensor l = labels->contiguous();
   const int64_t* label = l.data_ptr<int64_t>();
   for (int64_t n = 0; n < p.num_rows; ++n) {
     valid[n] = label[n] != p.ignore_index;
-    TORCH_CHECK(!valid[n] || p.ce_weight == 0.0 || (label[n] >= 0 && label[n] < p.vocab_size),
+    TORCH_CHECK(!check_label_range || !valid[n] || p.ce_weight == 0.0 || (label[n] >= 0 && label[n] < p.vocab_size),
                 "labels must be in [0, vocab_size = ", p.vocab_size, ") or equal ignore_index (",
                 p.ignore_index, ") when ce_weight > 0; row ", n, " has label ", label[n]);
   }
@@ -90,11 +94,7 @@ struct OnlineKLPass {
     part.w.l = sums[0];
     part.a = sums[1];
     part.o.l = sums[2];
-    if (part.w.m == kNegInf<acc_t>) {
-      merge(kl[n].o, part.o);  // merge(KLState) would skip the whole part
-    } else {
-      merge(kl[n], part);
-    }
+    merge_sides(kl[n], part);
 
     if (p.ce_weight != 0.0) {
       const acc_t max_s = weight_by_student ? max_w : max_o;
@@ -151,56 +151,89 @@ struct MixturePass {
   }
 };
 
-// The forward of every op: pass 1 (and JSD's pass 2) over the tiles `source` fills; returns
-// (loss [N], row_stats [N, kNumRowStats]) in acc_t.
+// Pass 1 over the tiles `source` fills: every row's unfinished state, [N, kNumPartialFields] in
+// acc_t (masked rows hold empty states). A label outside [0, vocab_size) is no column's.
 template <typename acc_t, typename Source>
-std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::optional<at::Tensor>& labels,
-                                                   const DistillParams& p, const at::TensorOptions& acc_options) {
+at::Tensor distill_partials(Source& source, const c10::optional<at::Tensor>& labels, const std::vector<uint8_t>& valid,
+                            const DistillParams& p, const at::TensorOptions& acc_options) {
   const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
-  const std::vector<uint8_t> valid = row_mask(labels, p);
-  const TilePlan plan = plan_tiles(p);
-
   OnlineKLPass<acc_t> kl_pass(p, valid.data(), labels.has_value() ? labels_c.data_ptr<int64_t>() : nullptr);
-  walk_logit_tiles<acc_t>(source, p, plan, acc_options, kl_pass);
+  walk_logit_tiles<acc_t>(source, p, plan_tiles(p), acc_options, kl_pass);
+  at::Tensor partials = at::empty({p.num_rows, kNumPartialFields}, acc_options);
+  acc_t* out = partials.data_ptr<acc_t>();
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    store_partial(RowPartial<acc_t>{kl_pass.kl[n], kl_pass.ce[n], kl_pass.label_logit[n]}, out + n * kNumPartialFields);
+  }
+  return partials;
+}
 
-  at::Tensor loss = at::zeros({p.num_rows}, acc_options);
-  at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, acc_options);
+// JSD's pass 2 over the tiles `source` fills, with the log-normalizers of row_stats (over the whole
+// vocabulary): the sums KL(q||M) and KL(p||M) of these tiles per row, [N, 2] in float64.
+template <typename acc_t, typename Source>
+at::Tensor mixture_sums(Source& source, const std::vector<uint8_t>& valid, const at::Tensor& row_stats,
+                        const DistillParams& p, const at::TensorOptions& acc_options) {
+  const at::Tensor stats_c = row_stats.to(acc_options.dtype()).contiguous();
+  MixturePass<acc_t> mix(p, valid.data(), stats_c.data_ptr<acc_t>());
+  walk_logit_tiles<acc_t>(source, p, plan_tiles(p), acc_options, mix);
+  at::Tensor sums = at::empty({p.num_rows, 2}, acc_options.dtype(at::kDouble));
+  double* out = sums.data_ptr<double>();
+  for (int64_t n = 0; n < p.num_rows; ++n) {
+    out[2 * n] = mix.kl_q_m[n];
+    out[2 * n + 1] = mix.kl_p_m[n];
+  }
+  return sums;
+}
+
+// Merges each row's R parts (partials [R, N, kNumPartialFields], in part order) and finishes the
+// row: (loss [N], row_stats [N, kNumRowStats]) in acc_t, masked rows 0. JSD's loss needs its
+// mixture sums ([R, N, 2] float64, summed over the parts; without them only its row statistics'
+// log-normalizers are final, which its pass 2 reads). Labels are the whole vocabulary's.
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor> finish_rows(const at::Tensor& partials, const c10::optional<at::Tensor>& mixture,
+                                               const c10::optional<at::Tensor>& labels,
+                                               const std::vector<uint8_t>& valid, const DistillParams& p) {
+  const at::Tensor parts = partials.contiguous();
+  const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
+  const at::Tensor mix = mixture.has_value() ? mixture->to(at::kDouble).contiguous() : at::Tensor();
+  const int64_t num_parts = parts.size(0);
+  at::Tensor loss = at::zeros({p.num_rows}, parts.options());
+  at::Tensor row_stats = at::zeros({p.num_rows, kNumRowStats}, parts.options());
   acc_t* loss_ = loss.data_ptr<acc_t>();
   acc_t* stats_ = row_stats.data_ptr<acc_t>();
-
-  const bool weight_by_student = p.kind == Divergence::kReverseKL;
+  const RowFinish finish{p.kind == Divergence::kReverseKL, p.ce_weight, p.vocab_size};
+  const DivergenceParams<double> div = divergence_params<double>(p);
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
-    acc_t* stats = stats_ + n * kNumRowStats;
-    if (kl_pass.kl[n].w.m == kNegInf<acc_t> || kl_pass.kl[n].o.m == kNegInf<acc_t>) {
-      // No entry above -inf on one side: an undefined distribution, NaN loss and gradient (as the
-      // CUDA kernels give; nonfinite.h).
-      std::fill(stats, stats + kNumRowStats, kNaN<acc_t>);
-      loss_[n] = kNaN<acc_t>;
-      continue;
+    RowPartial<acc_t> st;
+    double kl_q_m = 0.0, kl_p_m = 0.0;
+    for (int64_t r = 0; r < num_parts; ++r) {
+      merge(st, load_partial<acc_t>(parts.data_ptr<acc_t>() + (r * p.num_rows + n) * kNumPartialFields));
+      if (mix.defined()) {
+        kl_q_m += mix.data_ptr<double>()[(r * p.num_rows + n) * 2];
+        kl_p_m += mix.data_ptr<double>()[(r * p.num_rows + n) * 2 + 1];
+      }
     }
-    loss_[n] = store_kl_row(finish_kl_row(kl_pass.kl[n], weight_by_student), stats);
-  }
-  if (p.kind == Divergence::kJSD) {
-    MixturePass<acc_t> mix(p, valid.data(), stats_);
-    walk_logit_tiles<acc_t>(source, p, plan, acc_options, mix);
-    for (int64_t n = 0; n < p.num_rows; ++n) {
-      if (!valid[n]) continue;
-      loss_[n] = static_cast<acc_t>(mix.div.beta * mix.kl_q_m[n] + mix.div.one_minus_beta * mix.kl_p_m[n]);
-      stats_[n * kNumRowStats + kGradCenter] = static_cast<acc_t>(mix.kl_p_m[n]);
-    }
-  }
-  if (p.ce_weight != 0.0) {
-    const acc_t ce_weight = static_cast<acc_t>(p.ce_weight);
-    for (int64_t n = 0; n < p.num_rows; ++n) {
-      if (!valid[n]) continue;
-      const LogNormalizer<acc_t> norm_ce = log_normalizer(kl_pass.ce[n]);
-      stats_[n * kNumRowStats + kMaxCE] = norm_ce.max;
-      stats_[n * kNumRowStats + kLogSumCE] = norm_ce.log_sum;
-      loss_[n] -= ce_weight * log_prob(kl_pass.label_logit[n], norm_ce);
+    acc_t* row = stats_ + n * kNumRowStats;
+    const int64_t label = labels.has_value() ? labels_c.data_ptr<int64_t>()[n] : 0;
+    loss_[n] = finish_row(st, finish, label, row);
+    if (mix.defined() && p.kind == Divergence::kJSD) {
+      loss_[n] = finish_jsd_row(kl_q_m, kl_p_m, div, finish, st.label_logit, row);
     }
   }
   return {loss, row_stats};
+}
+
+// The forward of every op over the whole vocabulary: pass 1 (and JSD's pass 2) over the tiles
+// `source` fills; returns (loss [N], row_stats [N, kNumRowStats]) in acc_t.
+template <typename acc_t, typename Source>
+std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::optional<at::Tensor>& labels,
+                                                   const DistillParams& p, const at::TensorOptions& acc_options) {
+  const std::vector<uint8_t> valid = row_mask(labels, p, /*check_label_range=*/true);
+  const at::Tensor partials = distill_partials<acc_t>(source, labels, valid, p, acc_options).unsqueeze(0);
+  auto [loss, row_stats] = finish_rows<acc_t>(partials, c10::nullopt, labels, valid, p);
+  if (p.kind != Divergence::kJSD) return {loss, row_stats};
+  const at::Tensor mixture = mixture_sums<acc_t>(source, valid, row_stats, p, acc_options).unsqueeze(0);
+  return finish_rows<acc_t>(partials, mixture, labels, valid, p);
 }
 
 // Backward: recomputes each logit tile, turns it into G = g_n * dLoss/dz in place (z: the product
@@ -281,6 +314,15 @@ inline void check_backward_inputs(const at::Tensor& grad_loss, const at::Tensor&
               "] as the forward returns it, got ", row_stats.sizes());
   TORCH_CHECK(grad_loss.device().is_cpu() && row_stats.device().is_cpu(),
               "grad_loss and row_stats must be CPU tensors here");
+}
+
+// The whole vocabulary's row statistics that a shard's JSD pass 2 reads.
+inline void check_shard_row_stats(const at::Tensor& row_stats, const DistillParams& p) {
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
+              "row_stats must be [N, ", int(kNumRowStats), "] = [", p.num_rows, ", ", int(kNumRowStats),
+              "] as merge_shards returns it, got ", row_stats.sizes());
+  TORCH_CHECK(row_stats.device().is_cpu(), "row_stats must be a CPU tensor here");
+  TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
 }
 
 }  // namespace cpu

@@ -43,6 +43,23 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_forward(
   return distill_forward<acc_t>(source, labels, p, xs_acc.options());
 }
 
+// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states, or with
+// row_stats (the whole vocabulary's log-normalizers) JSD's mixture sums over this shard.
+template <typename scalar_t>
+at::Tensor fused_linear_shard_forward(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+                                      const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
+                                      const Biases& bias, const c10::optional<at::Tensor>& row_stats,
+                                      const DistillParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
+  const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
+  ProductTiles source = product_tiles(xs_acc, xt_acc, ws, wt, bias);
+  const std::vector<uint8_t> valid = row_mask(labels, p, /*check_label_range=*/false);
+  if (row_stats.has_value()) return mixture_sums<acc_t>(source, valid, *row_stats, p, xs_acc.options());
+  return distill_partials<acc_t>(source, labels, valid, p, xs_acc.options());
+}
+
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_backward(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
@@ -53,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_backward(
   const at::Tensor xs_acc = xs.to(acc_dtype).contiguous();
   const at::Tensor xt_acc = xt.to(acc_dtype).contiguous();
   const at::Tensor labels_c = labels.has_value() ? labels->contiguous() : at::Tensor();
-  const std::vector<uint8_t> valid = row_mask(labels, p);
+  const std::vector<uint8_t> valid = row_mask(labels, p, /*check_label_range=*/false);
   const TilePlan plan = plan_tiles(p);
   const at::Tensor grad_c = grad_loss.to(acc_dtype).contiguous();
   const at::Tensor stats_c = row_stats.to(acc_dtype).contiguous();
@@ -97,6 +114,24 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cpu(
   return out;
 }
 
+at::Tensor fused_linear_shard_cpu(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
+    c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
+  check_cpu(xs, "xs");
+  if (row_stats.has_value()) check_shard_row_stats(*row_stats, p);
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_shard_cpu", [&] {
+    out = fused_linear_shard_forward<scalar_t>(xs, xt, ws, wt, labels, Biases{bias_s, bias_t}, row_stats, p);
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
     const at::Tensor& wt, const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
@@ -122,6 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_bwd_cpu(
 TORCH_LIBRARY_IMPL(nitrobrew, CPU, m) {
   m.impl("fused_linear_fwd", &fused_linear_fwd_cpu);
   m.impl("fused_linear_bwd", &fused_linear_bwd_cpu);
+  m.impl("fused_linear_shard", &fused_linear_shard_cpu);
 }
 
 }  // namespace cpu

@@ -1,9 +1,9 @@
 // CUDA forward of the fused-linear losses.
 //
 // Pass 1 (KLPass, on either kernel family of the vocabulary walk) folds every logit tile into
-// per-row online states, one per vocabulary split; merge_kl_kernel merges the splits per row
+// per-row online states, one per vocabulary split; merge_rows_kernel merges the splits per row
 // into the loss and the row statistics. JSD runs a second pass (MixturePass) with the merged
-// log-normalizers, and finish_jsd_kernel sums its splits.
+// log-normalizers, and merge_rows_kernel again adds its splits' sums into the loss.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +11,7 @@
 
 #include <tuple>
 
+#include "../divergence/merge_rows.cuh"
 #include "../divergence/nonfinite.h"
 #include "../engine/cuda/cuda_types.h"
 #include "fused_linear_args.cuh"
@@ -21,84 +22,44 @@ namespace nitrobrew {
 namespace cuda {
 namespace {
 
-// Merges the splits of each row (in split order: deterministic) into loss and row_stats.
 template <typename T>
-__global__ void merge_kl_kernel(FusedLinearArgs<T> a, int splits, const float* __restrict__ partial,
-                                const float* __restrict__ label_logit, float* __restrict__ loss,
-                                float* __restrict__ row_stats) {
-  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= a.n_rows) return;
-  if (a.labels != nullptr && a.labels[n] == a.ignore_index) return;  // outputs stay 0
-  KLState<float> st;
-  SoftmaxState<float> ce;
-  for (int s = 0; s < splits; ++s) {
-    const float* in = partial + (int64_t(s) * a.n_rows + n) * kPartialFields;
-    KLState<float> part;
-    part.w = {in[0], in[1]};
-    part.o = {in[2], in[3]};
-    part.a = in[4];
-    merge(st, part);
-    merge(ce, SoftmaxState<float>{in[5], in[6]});
-  }
-  float* row = row_stats + n * kNumRowStats;
-  float value = store_kl_row(finish_kl_row(st, a.div.kind == Divergence::kReverseKL), row);
-  if (a.ce_weight != 0.f) {
-    const int64_t y = a.labels[n];
-    LogNormalizer<float> norm_ce = log_normalizer(ce);
-    // A label outside [0, V) (eager calls raise in Python first): the cross-entropy is undefined,
-    // NaN here and, through the NaN log-normalizer, in the row's gradient (nonfinite.h); no
-    // device-side assertion.
-    if (y < 0 || y >= a.vocab_size) norm_ce.max = kNaN<float>;
-    row[kMaxCE] = norm_ce.max;
-    row[kLogSumCE] = norm_ce.log_sum;
-    value -= a.ce_weight * log_prob(label_logit[n], norm_ce);
-  }
-  loss[n] = value;
+MergeRowsArgs merge_args(const FusedLinearArgs<T>& a, int64_t splits) {
+  return {a.n_rows, static_cast<int>(splits), a.labels, a.ignore_index,
+          RowFinish{a.div.kind == Divergence::kReverseKL, a.ce_weight, a.vocab_size}};
 }
 
-template <typename T>
-__global__ void finish_jsd_kernel(FusedLinearArgs<T> a, int splits, const float* __restrict__ partial,
-                                  const float* __restrict__ label_logit, float* __restrict__ loss,
-                                  float* __restrict__ row_stats) {
-  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= a.n_rows) return;
-  if (a.labels != nullptr && a.labels[n] == a.ignore_index) return;
-  float kl_q_m = 0.f, kl_p_m = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    kl_q_m += partial[(int64_t(s) * a.n_rows + n) * 2];
-    kl_p_m += partial[(int64_t(s) * a.n_rows + n) * 2 + 1];
-  }
-  float* row = row_stats + n * kNumRowStats;
-  row[kGradCenter] = kl_p_m;
-  float value = a.div.beta * kl_q_m + a.div.one_minus_beta * kl_p_m;
-  if (a.ce_weight != 0.f) {
-    value -= a.ce_weight * log_prob(label_logit[n], LogNormalizer<float>{row[kMaxCE], row[kLogSumCE]});
-  }
-  loss[n] = value;
+// Pass 1 over every split, and its splits merged per row: into the finished (loss, row_stats), or,
+// for a shard, into the unfinished states `merged` [N, kNumPartialFields].
+void forward_pass1(const FusedLinearPasses& passes, const FusedLinearOperands& in, const DistillParams& p,
+                   at::Tensor& partial, at::Tensor& label_logit, float* merged, float* loss, float* row_stats) {
+  passes.kl_pass(partial, label_logit);
+  const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_merge_splits",
+    const FusedLinearArgs<T> a = make_args<T>(in, p);
+    merge_rows_kernel<float, float><<<row_blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        merge_args(a, passes.forward_splits()), a.div, partial.data_ptr<float>(), label_logit.data_ptr<float>(),
+        nullptr, merged, loss, row_stats);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  );
 }
 
 void launch_forward(const FusedLinearPasses& passes, const FusedLinearOperands& in, const DistillParams& p,
                     at::Tensor& loss, at::Tensor& row_stats) {
   const int64_t splits = passes.forward_splits();
   const auto options = loss.options();
-  at::Tensor partial = at::empty({splits, p.num_rows, kPartialFields}, options);
+  at::Tensor partial = at::empty({splits, p.num_rows, kNumPartialFields}, options);
   at::Tensor label_logit = at::zeros({p.num_rows}, options);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  forward_pass1(passes, in, p, partial, label_logit, nullptr, loss.data_ptr<float>(), row_stats.data_ptr<float>());
+  if (p.kind != Divergence::kJSD) return;
+  at::Tensor mixture = at::empty({splits, p.num_rows, 2}, options);
+  passes.mixture_pass(row_stats, mixture);
   const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
-  passes.kl_pass(partial, label_logit);
-  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_merge_splits",
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_finish_jsd",
     const FusedLinearArgs<T> a = make_args<T>(in, p);
-    merge_kl_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
-                                                       label_logit.data_ptr<float>(), loss.data_ptr<float>(),
-                                                       row_stats.data_ptr<float>());
+    merge_rows_kernel<float, float><<<row_blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        merge_args(a, splits), a.div, partial.data_ptr<float>(), label_logit.data_ptr<float>(),
+        mixture.data_ptr<float>(), nullptr, loss.data_ptr<float>(), row_stats.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (a.div.kind == Divergence::kJSD) {
-      passes.mixture_pass(row_stats, partial);
-      finish_jsd_kernel<T><<<row_blocks, 256, 0, stream>>>(a, static_cast<int>(splits), partial.data_ptr<float>(),
-                                                           label_logit.data_ptr<float>(), loss.data_ptr<float>(),
-                                                           row_stats.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
   );
 }
 
@@ -123,9 +84,48 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
   return {loss, row_stats};
 }
 
+// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 8], or
+// with row_stats (the whole vocabulary's) JSD's mixture sums over this shard [N, 2] in float64.
+at::Tensor fused_linear_shard_cuda(
+    const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
+    const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
+    const c10::optional<at::Tensor>& bias_t, const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
+    c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
+  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
+                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+                                                   logit_scale_t, vocab_size, chunk_v);
+  TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
+  if (row_stats.has_value()) {
+    TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&
+                    row_stats->device() == xs.device(),
+                "row_stats must be [N, ", int(kNumRowStats), "] on ", xs.device(), " as merge_shards returns it");
+    TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+  }
+  const c10::cuda::CUDAGuard guard(xs.device());
+  const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);
+  const auto options = xs.options().dtype(at::kFloat);
+  if (p.num_rows == 0) return at::zeros({0, row_stats.has_value() ? 2 : int64_t(kNumPartialFields)}, options);
+  const FusedLinearPasses passes(in, p);
+  const int64_t splits = passes.forward_splits();
+  if (row_stats.has_value()) {
+    at::Tensor mixture = at::zeros({splits, p.num_rows, 2}, options);  // masked rows: 0
+    passes.mixture_pass(row_stats->to(at::kFloat).contiguous(), mixture);
+    return mixture.to(at::kDouble).sum(0);
+  }
+  at::Tensor partial = at::empty({splits, p.num_rows, kNumPartialFields}, options);
+  at::Tensor label_logit = at::zeros({p.num_rows}, options);
+  at::Tensor merged = at::empty({p.num_rows, kNumPartialFields}, options);
+  forward_pass1(passes, in, p, partial, label_logit, merged.data_ptr<float>(), nullptr, nullptr);
+  return merged;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(nitrobrew, CUDA, m) { m.impl("fused_linear_fwd", &fused_linear_fwd_cuda); }
+TORCH_LIBRARY_IMPL(nitrobrew, CUDA, m) {
+  m.impl("fused_linear_fwd", &fused_linear_fwd_cuda);
+  m.impl("fused_linear_shard", &fused_linear_shard_cuda);
+}
 
 }  // namespace cuda
 }  // namespace nitrobrew

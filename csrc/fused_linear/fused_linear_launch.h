@@ -11,9 +11,6 @@
 namespace nitrobrew {
 namespace cuda {
 
-// Fields of the KL pass's record per row and split: w.m, w.l, o.m, o.l, a, ce.m, ce.l, unused.
-constexpr int kPartialFields = 8;
-
 // The tensors the passes read, as their kernels take them: unit-stride rows, contiguous labels and
 // biases (the op's arguments bias_s, bias_t, or none). A student-only pass gives xs, ws and bias_s
 // as both models'.
@@ -34,7 +31,7 @@ class FusedLinearPasses {
   // How many vocabulary splits the forward passes use: the rows of their partial results.
   int64_t forward_splits() const { return walk_.forward_splits(); }
 
-  // Forward pass 1: writes partial [forward_splits, N, kPartialFields] and the label logits [N].
+  // Forward pass 1: writes partial [forward_splits, N, kNumPartialFields] (row_partial.h) and the label logits [N].
   void kl_pass(at::Tensor& partial, at::Tensor& label_logit) const;
   // Forward pass 2 of JSD: writes partial [forward_splits, N, 2] from pass 1's row_stats.
   void mixture_pass(const at::Tensor& row_stats, at::Tensor& partial) const;

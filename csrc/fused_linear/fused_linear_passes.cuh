@@ -14,6 +14,7 @@
 #pragma once
 
 #include "../divergence/online_state.h"
+#include "../divergence/row_partial.h"
 #include "../divergence/row_stats.h"
 #include "../engine/cuda/tile_fold.cuh"
 #include "../engine/cuda/vocab_walk.cuh"
@@ -47,7 +48,7 @@ struct KLPass {
   using Args = FusedLinearArgs<T>;
   static constexpr bool kStudentOnly = false;
   struct Params {
-    float* partial;      // [splits, N, kPartialFields]
+    float* partial;      // [splits, N, kNumPartialFields] (PartialField, row_partial.h)
     float* label_logit;  // [N]: the student's raw logit of the label (CE add-on)
   };
   Params p;
@@ -239,14 +240,9 @@ struct KLPass {
     for (int i = 0; i < 2; ++i) {
       merge_across_quad(st[i], ce[i]);
       if (rows.valid[i] && threadIdx.x % 4 == 0) {
-        float* out = p.partial + (split * a.n_rows + rows.row[i]) * kPartialFields;
-        out[0] = st[i].w.m;
-        out[1] = st[i].w.l;
-        out[2] = st[i].o.m;
-        out[3] = st[i].o.l;
-        out[4] = st[i].a;
-        out[5] = ce[i].m;
-        out[6] = ce[i].l;
+        // The label's logit goes to label_logit (its one writer); the field stays 0.
+        store_partial(RowPartial<float>{st[i], ce[i], 0.f},
+                      p.partial + (split * a.n_rows + rows.row[i]) * kNumPartialFields);
       }
     }
   }

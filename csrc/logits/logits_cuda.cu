@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "../divergence/nonfinite.h"
+#include "../divergence/row_partial.h"
 #include "../divergence/row_stats.h"
 #include "logits_params.h"
 #include "../engine/cuda/cuda_types.h"
@@ -56,17 +57,6 @@ __device__ __forceinline__ void for_each_chunk(const T* zs, const T* zt, int64_t
     acc_t s[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zs[i * stride_s]), inv_t))};
     acc_t t[1] = {static_cast<acc_t>(scale_logit(to_acc<scale_t>(zt[i * stride_t]), inv_t))};
     f.template chunk<1>(s, t, i);
-  }
-}
-
-// Merges b into a where b's weighting side may be empty (all its entries -inf): its other side
-// still counts (merge(KLState) skips an empty-weighted part whole).
-template <typename acc_t>
-__device__ __forceinline__ void merge_parts(KLState<acc_t>& a, const KLState<acc_t>& b) {
-  if (b.w.m == kNegInf<acc_t>) {
-    merge(a.o, b.o);
-  } else {
-    merge(a, b);
   }
 }
 
@@ -129,7 +119,7 @@ __device__ KLState<acc_t> block_merge(KLState<acc_t> st) {
     other.o.m = shfl(st.o.m, mask);
     other.o.l = shfl(st.o.l, mask);
     other.a = shfl(st.a, mask);
-    merge_parts(st, other);
+    merge_sides(st, other);
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) {
@@ -148,7 +138,7 @@ __device__ KLState<acc_t> block_merge(KLState<acc_t> st) {
       other.o.m = scratch[w][2];
       other.o.l = scratch[w][3];
       other.a = scratch[w][4];
-      merge_parts(st, other);
+      merge_sides(st, other);
     }
   }
   return st;
@@ -165,12 +155,19 @@ struct RowArgs {
   DivergenceParams<double> div64;  // for the mixture pass of float32 inputs (MixtureType)
   acc_t* loss;   // [N]
   acc_t* stats;  // [N, kNumRowStats]
+  // A vocabulary shard's forward (logits_shard) writes these instead of loss and stats:
+  acc_t* partial;   // [N, kNumPartialFields]: pass 1's unfinished states
+  double* mixture;  // [N, 2]: JSD's mixture sums
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
 };
 
 template <typename T, typename acc_t, bool kWeightByStudent>
 __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
   const int64_t n = blockIdx.x;
+  if (a.partial != nullptr && !a.valid(n)) {
+    if (threadIdx.x == 0) store_partial(RowPartial<acc_t>{}, a.partial + n * kNumPartialFields);
+    return;
+  }
   acc_t* stats = a.stats + n * kNumRowStats;
   if (!a.valid(n)) {  // masked rows: loss 0, statistics 0 (the backward writes zeros for them)
     if (threadIdx.x < kNumRowStats) stats[threadIdx.x] = acc_t(0);
@@ -181,6 +178,10 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
   for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, acc);
   const KLState<acc_t> st = block_merge(acc.st);
   if (threadIdx.x != 0) return;
+  if (a.partial != nullptr) {  // a shard: the state as it is, empty sides included
+    store_partial(RowPartial<acc_t>{st, {}, acc_t(0)}, a.partial + n * kNumPartialFields);
+    return;
+  }
   if (st.w.m == kNegInf<acc_t> || st.o.m == kNegInf<acc_t>) {  // no finite logit on one side
     const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
     for (int k = 0; k < kNumRowStats; ++k) stats[k] = nan;
@@ -228,7 +229,10 @@ template <typename T, typename acc_t>
 __global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
   using mix_t = MixtureType<T, acc_t>;
   const int64_t n = blockIdx.x;
-  if (!a.valid(n)) return;
+  if (!a.valid(n)) {
+    if (a.mixture != nullptr && threadIdx.x == 0) a.mixture[2 * n] = a.mixture[2 * n + 1] = 0.0;
+    return;
+  }
   acc_t* stats = a.stats + n * kNumRowStats;
   DivergenceParams<mix_t> div;
   if constexpr (std::is_same_v<mix_t, acc_t>) {
@@ -241,6 +245,11 @@ __global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, R
                                            a.inv_t, sums);  // logits scaled (rounded) as in the other passes
   block_sum2(sums.kl_q_m, sums.kl_p_m);
   if (threadIdx.x != 0) return;
+  if (a.mixture != nullptr) {  // a shard: its sums, added over the shards by merge_shards
+    a.mixture[2 * n] = sums.kl_q_m;
+    a.mixture[2 * n + 1] = sums.kl_p_m;
+    return;
+  }
   a.loss[n] = static_cast<acc_t>(div.beta * sums.kl_q_m + div.one_minus_beta * sums.kl_p_m);
   stats[kGradCenter] = static_cast<acc_t>(sums.kl_p_m);
 }
@@ -319,6 +328,8 @@ RowArgs<acc_t> row_args(const at::Tensor& zs, const at::Tensor& zt, const c10::o
   a.div64 = divergence_params<double>(p);
   a.loss = loss;
   a.stats = stats;
+  a.partial = nullptr;
+  a.mixture = nullptr;
   return a;
 }
 
@@ -360,6 +371,49 @@ std::tuple<at::Tensor, at::Tensor> logits_fwd_cuda(const at::Tensor& zs_in, cons
   return out;
 }
 
+// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states, or with
+// row_stats (the whole vocabulary's log-normalizers) JSD's mixture sums over this shard.
+at::Tensor logits_shard_cuda(const at::Tensor& zs, const at::Tensor& zt, const c10::optional<at::Tensor>& labels_in,
+                                 const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
+                                 c10::string_view divergence, double beta, double temperature) {
+  const DistillParams p = make_logits_params(zs, zt, labels_in, ignore_index, divergence, beta, temperature);
+  const c10::cuda::CUDAGuard guard(zs.device());
+  check_cuda_inputs(zs, zt);
+  if (row_stats.has_value()) {
+    TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&
+                    row_stats->device() == zs.device(),
+                "row_stats must be [N, ", int(kNumRowStats), "] on ", zs.device(), " as merge_shards returns it");
+    TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+  }
+  const c10::optional<at::Tensor> labels =
+      labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "logits_shard_cuda", [&] {
+    using T = cuda_type_t<scalar_t>;
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
+    const bool mixture = row_stats.has_value();
+    out = at::empty({p.num_rows, mixture ? 2 : int64_t(kNumPartialFields)},
+                    zs.options().dtype(mixture ? at::kDouble : acc_dtype));
+    if (p.num_rows == 0) return;
+    const at::Tensor stats = mixture ? row_stats->to(acc_dtype).contiguous() : at::Tensor();
+    RowArgs<acc_t> a = row_args<acc_t>(zs, zt, labels, p, nullptr,
+                                       mixture ? const_cast<acc_t*>(stats.data_ptr<acc_t>()) : nullptr);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const unsigned grid = static_cast<unsigned>(p.num_rows);
+    if (mixture) {
+      a.mixture = out.data_ptr<double>();
+      mixture_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+    } else {
+      a.partial = out.data_ptr<acc_t>();
+      const auto kl_pass = p.kind == Divergence::kReverseKL ? kl_pass_kernel<T, acc_t, true> : kl_pass_kernel<T, acc_t, false>;
+      kl_pass<<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
 at::Tensor logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs_in, const at::Tensor& zt_in,
                                   const c10::optional<at::Tensor>& labels_in, const at::Tensor& row_stats,
                                   int64_t ignore_index, c10::string_view divergence, double beta, double temperature) {
@@ -396,6 +450,7 @@ at::Tensor logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs_in,
 TORCH_LIBRARY_IMPL(nitrobrew, CUDA, m) {
   m.impl("logits_fwd", &logits_fwd_cuda);
   m.impl("logits_bwd", &logits_bwd_cuda);
+  m.impl("logits_shard", &logits_shard_cuda);
 }
 
 }  // namespace cuda

@@ -89,6 +89,20 @@ std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const 
   return {loss, at::where(valid.unsqueeze(1), stats, at::zeros_like(stats))};
 }
 
+std::tuple<at::Tensor, at::Tensor> topk_merge_shards(const at::Tensor& partials, const at::Tensor& teacher_logprobs,
+                                                      const at::Tensor& valid, const TopKParams& p,
+                                                      at::ScalarType acc_dtype) {
+  const at::Tensor parts = partials.to(at::kDouble);
+  const at::Tensor max = parts.select(2, 0), log_sum = parts.select(2, 1);  // [R, N]
+  // The softmax states merged: an empty shard (max -inf) adds 0; a NaN maximum stays (nonfinite.h).
+  const at::Tensor top = max.amax(0, /*keepdim=*/true);
+  const at::Tensor shift = at::where(top == kNegInf<double>, at::zeros_like(top), top);
+  const at::Tensor terms = at::where(max == kNegInf<double>, at::zeros_like(max), ((max - shift) + log_sum).exp());
+  const at::Tensor student_norm = at::stack({top.squeeze(0), terms.sum(0).log()}, 1);
+  const at::Tensor z = parts.narrow(2, 2, p.k).sum(0);
+  return topk_rows_forward(z, student_norm, teacher_logprobs, valid, p, acc_dtype);
+}
+
 TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& teacher_ids,
                               const at::Tensor& teacher_logprobs, const at::Tensor& valid, const TopKParams& p,
                               at::ScalarType acc_dtype) {

@@ -31,6 +31,14 @@ std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const 
                                                       const at::Tensor& teacher_logprobs, const at::Tensor& valid,
                                                       const TopKParams& p, at::ScalarType acc_dtype);
 
+// Merges R vocabulary shards' parts of each row (nitrobrew.distributed) and finishes the rows as
+// topk_rows_forward does. partials [R, N, 2 + K] float64: each shard's student log-normalizer of
+// z / tau over its rows as (max, log-sum; read for "full" only), then the K student logits z at the
+// ids the shard holds, 0 at the others' (each id is one shard's).
+std::tuple<at::Tensor, at::Tensor> topk_merge_shards(const at::Tensor& partials, const at::Tensor& teacher_logprobs,
+                                                      const at::Tensor& valid, const TopKParams& p,
+                                                      at::ScalarType acc_dtype);
+
 // dLoss/dz of a row (without the upstream gradient) is dense[n] * p_v / tau over the vocabulary plus
 // a sparse term at each id:
 //   full: dense = sum_k q_k, and -(sum of the id's q_k) / tau at an id;

@@ -25,7 +25,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROB
 export NITROBREW_DEV_KNOBS=${NITROBREW_DEV_KNOBS:-1}
 # The randomized tests' cases per family and device (CI's CPU run: 8).
 export NITROBREW_RANDOM_CASES=${NITROBREW_RANDOM_CASES:-64}
-families=${FAMILIES:-fused_linear topk_linear logits attention_kl}
+families=${FAMILIES:-fused_linear topk_linear logits attention_kl distributed}
 status=0
 summary=()
 # Python packages the GPU machine lacks (liger-kernel for the benchmarks' peer), carried as wheels in

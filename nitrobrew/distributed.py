@@ -1,0 +1,494 @@
+"""Vocabulary-parallel losses over torch.distributed, and lm_head weights sharded as DTensors.
+
+`process_group=` on forward_kl / reverse_kl / jsd (from hidden states and from logits) runs the loss
+over a vocabulary split across the group's ranks:
+
+  - each rank holds a contiguous shard of the vocabulary, in rank order: rows of ws and wt (both
+    models' shards cover the same entries, so on each rank ws and wt have the same row count), or
+    columns of the logits; shards may differ in size, and a shard may lie wholly in the padding past
+    vocab_size (which is the whole vocabulary's);
+  - xs, xt, labels and the options are the same on every rank, and every rank returns the loss over
+    the whole vocabulary;
+  - gradients: xs.grad is the whole gradient on every rank; ws.grad and bias_s.grad (zs.grad) are
+    those of the rank's shard.
+
+What is exchanged is per-row statistics, never weights or logits (docs/distributed.md): the forward
+all-gathers the shards' unfinished row states (8 floats per token; JSD a second time, 2 float64 per
+token), the backward all-reduces the hidden states' gradient [N, D_s] (none for logits). The shards
+merge exactly as a single device's vocabulary splits do (the same C++ merge), so every rank finishes
+identical rows.
+
+DTensor weights (ws, wt sharded on dim 0 over a 1-D mesh: tensor parallelism's ColwiseParallel
+lm_head, or an FSDP2 fully_shard-ed lm_head read outside its forward) need no process_group:
+
+  - xs a DTensor replicated over the mesh (tensor parallelism): the path above, over the mesh's group;
+  - xs a plain tensor (data parallelism, FSDP2): every rank's tokens differ. Instead of gathering the
+    weights, the ranks all-gather the hidden states and labels, each computes its vocabulary shard for
+    every rank's tokens, and each rank gets its own tokens' losses back. ws.grad (bias_s.grad) is the
+    gradient FSDP2 would reduce-scatter: the ranks' gradients averaged (FSDP2's default division by
+    the world size); xs.grad is the rank's own tokens' gradient (a reduce-scatter of the shards' terms).
+
+A whole (Replicate) DTensor weight is used as it is; other layouts (Shard(1), Partial, meshes of
+several dimensions) raise. torch.distributed is imported only when these paths run.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nitrobrew import _checks
+from nitrobrew._registration import ops, stats_dtype
+
+# Columns of a shard's unfinished row states (PartialField in csrc/divergence/row_partial.h).
+NUM_PARTIAL_FIELDS = 8
+# Columns of the top-K row statistics before the K logits (TopKRowStat in csrc/divergence/topk_params.h).
+NUM_TOPK_ROW_STATS = 4
+
+__all__ = ["FusedLinearCall", "TopKCall", "fused_linear_loss", "logits_loss", "sharded_weights", "topk_loss"]
+
+# The unfinished row state of a shard holding none of the vocabulary (PartialField, row_partial.h):
+# both softmax sides and the CE state empty (max -inf, sum 0), nothing summed, no label logit.
+_EMPTY_PARTIAL = (float("-inf"), 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0)
+
+
+def _fake_shard(x, row_stats):
+    """A shard op's output: unfinished row states, or with row_stats JSD's mixture sums (float64)."""
+    if row_stats is not None:
+        return x.new_empty((x.shape[0], 2), dtype=torch.float64)
+    return x.new_empty((x.shape[0], NUM_PARTIAL_FIELDS), dtype=stats_dtype(x.dtype))
+
+
+@torch.library.register_fake("nitrobrew::fused_linear_shard")
+def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_stats, *options):
+    return _fake_shard(xs, row_stats)
+
+
+@torch.library.register_fake("nitrobrew::logits_shard")
+def _(zs, zt, labels, row_stats, *options):
+    return _fake_shard(zs, row_stats)
+
+
+@torch.library.register_fake("nitrobrew::merge_shards")
+def _(partials, mixture, labels, *options):
+    rows = partials.shape[1]
+    return partials.new_empty((rows,)), partials.new_empty((rows, 7))
+
+
+@torch.library.register_fake("nitrobrew::topk_merge_shards")
+def _(partials, teacher_logprobs, labels, ignore_index, temperature, renormalize, float64_logits):
+    rows, columns = partials.shape[1], partials.shape[2]
+    loss_dtype = torch.float64 if float64_logits else torch.float32
+    return (partials.new_empty((rows,), dtype=loss_dtype),
+            partials.new_empty((rows, NUM_TOPK_ROW_STATS + columns - 2), dtype=torch.float64))
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group= needs an initialized torch.distributed (torch.distributed.init_process_group)")
+    return dist
+
+
+def _all_gather(t: Tensor, group) -> Tensor:
+    """[R, *t.shape]: every rank's t, in rank order."""
+    dist = _dist()
+    parts = [t.new_empty(t.shape) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """This rank's rows [start, start + rows) of a vocabulary of `total` rows, over `group`."""
+
+    group: object
+    start: int
+    rows: int
+    total: int
+    world: int
+    rank: int
+
+
+def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group) -> _Shard:
+    """Where each rank's shard starts: one all-gather of the ranks' row counts."""
+    dist = _dist()
+    counts = _all_gather(torch.tensor([rows_s, rows_t], dtype=torch.int64, device=device), group).tolist()
+    mismatched = [r for r, (s, t) in enumerate(counts) if s != t]
+    if mismatched:
+        raise ValueError(
+            f"ws and wt must hold the same vocabulary rows on every rank (pad the smaller lm_head to the larger "
+            f"one's rows before sharding and pass vocab_size); rank {mismatched[0]} holds {counts[mismatched[0]][0]} "
+            f"rows of ws and {counts[mismatched[0]][1]} of wt"
+        )
+    rank = dist.get_rank(group)
+    start = sum(c[0] for c in counts[:rank])
+    return _Shard(group, start, rows_s, sum(c[0] for c in counts), len(counts), rank)
+
+
+def _local_labels(labels: Tensor | None, shard: _Shard, real: int, ignore_index: int) -> Tensor | None:
+    """labels in the shard's own rows; a label another shard holds becomes a negative value other than
+    ignore_index, which no column holds (the shard ops take it as held elsewhere)."""
+    if labels is None:
+        return None
+    elsewhere = -1 if ignore_index != -1 else -2
+    local = labels - shard.start
+    local = torch.where((local >= 0) & (local < real), local, torch.full_like(local, elsewhere))
+    return torch.where(labels == ignore_index, labels, local)
+
+
+@dataclass(frozen=True)
+class FusedLinearCall:
+    """A divergence loss's options, as fused_linear.py / logits.py validated them (vocab_size: the whole
+    vocabulary's, None for every row)."""
+
+    divergence: str
+    beta: float
+    temperature: float
+    ce_weight: float = 0.0
+    softcap_s: float | None = None
+    softcap_t: float | None = None
+    logit_scale_s: float = 1.0
+    logit_scale_t: float = 1.0
+    ignore_index: int = -100
+    vocab_size: int | None = None
+    chunk_v: int = 0
+
+    def uses_mixture(self) -> bool:
+        return self.divergence == "jsd" and 0.0 < self.beta < 1.0
+
+    def op_options(self, real: int) -> tuple:
+        return (self.ignore_index, self.divergence, self.beta, self.temperature, self.ce_weight, self.softcap_s,
+                self.softcap_t, self.logit_scale_s, self.logit_scale_t, real, self.chunk_v)
+
+
+@dataclass(frozen=True)
+class TopKCall:
+    """topk_kl's options, as topk_linear.py validated them."""
+
+    temperature: float
+    renormalize: bool
+    ignore_index: int
+    logit_scale_s: float
+    chunk_v: int
+
+
+def _merged_rows(part: Tensor, mixture_of, labels, call: FusedLinearCall, vocab_size: int, group):
+    """The shards' row states all-gathered and merged into (loss, row_stats) over the whole vocabulary;
+    JSD's mixture sums (mixture_of(row_stats) -> [N, 2] of this shard) in a second round."""
+    parts = _all_gather(part, group)
+    merge_options = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, vocab_size)
+    loss, row_stats = ops.merge_shards(parts, None, *merge_options)
+    if call.uses_mixture():
+        loss, row_stats = ops.merge_shards(parts, _all_gather(mixture_of(row_stats), group), *merge_options)
+    return loss, row_stats
+
+
+class _ShardLoss:
+    """What a loss family computes on its vocabulary shard, for _VocabParallel.
+
+    Its inputs are a tuple of tensors (None allowed); token_inputs are those indexed by token (gathered
+    from every rank in data parallelism), summed_grads those whose gradient is the shards' partial sum
+    (the hidden states': summed over the group), shard_grads those whose gradient is this shard's own
+    (weights, biases, logits)."""
+
+    token_inputs: tuple = ()
+    summed_grads: tuple = ()
+    shard_grads: tuple = ()
+
+    def forward(self, inputs: tuple) -> Tensor:
+        """The loss [N] of every token; keeps what backward needs on self (one instance per call)."""
+        raise NotImplementedError
+
+    def backward(self, grad_loss: Tensor, needs: tuple) -> tuple:
+        """A gradient (or None) per input, this shard's terms only."""
+        raise NotImplementedError
+
+
+class _VocabParallel(torch.autograd.Function):
+    """A loss over the vocabulary shards of `group`'s ranks (one _ShardLoss per call).
+
+    tokens_per_rank None: the token inputs are the same on every rank (tensor parallelism), every rank
+    returns every token's loss and the hidden states' whole gradient. Otherwise each rank holds its own
+    tokens (data parallelism; tokens_per_rank: every rank's count): they are all-gathered, each rank
+    gets its own tokens' losses and gradient back (a reduce-scatter), and the shard's weight gradients
+    are the ranks' average, as FSDP2 reduce-scatters them."""
+
+    @staticmethod
+    def forward(ctx, shard_loss: _ShardLoss, group, tokens_per_rank, *inputs):
+        if tokens_per_rank is not None:
+            inputs = tuple(_gather_tokens(t, tokens_per_rank, group) if i in shard_loss.token_inputs and t is not None
+                           else t for i, t in enumerate(inputs))
+        loss = shard_loss.forward(inputs)
+        ctx.shard_loss, ctx.group, ctx.tokens_per_rank = shard_loss, group, tokens_per_rank
+        if tokens_per_rank is not None:
+            rank = _dist().get_rank(group)
+            begin = sum(tokens_per_rank[:rank])
+            loss = loss[begin: begin + tokens_per_rank[rank]]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        shard_loss, group, tokens_per_rank = ctx.shard_loss, ctx.group, ctx.tokens_per_rank
+        if tokens_per_rank is not None:  # every rank's tokens' upstream gradients
+            grad_loss = _gather_tokens(grad_loss, tokens_per_rank, group)
+        needs = ctx.needs_input_grad[3:]
+        grads = list(shard_loss.backward(grad_loss.contiguous(), needs))
+        for i in shard_loss.summed_grads:
+            if needs[i]:
+                grads[i] = _sum_tokens(grads[i], tokens_per_rank, group)
+        if tokens_per_rank is not None:
+            world = _dist().get_world_size(group)
+            for i in shard_loss.shard_grads:
+                grads[i] = grads[i] / world if needs[i] and grads[i] is not None else grads[i]
+        return (None, None, None, *(g if need else None for g, need in zip(grads, needs)))
+
+
+def _gather_tokens(t: Tensor, tokens_per_rank, group) -> Tensor:
+    """Every rank's rows of t ([tokens_per_rank[rank], ...]) concatenated in rank order."""
+    longest = max(tokens_per_rank)
+    padded = t.new_zeros((longest, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = _all_gather(padded, group)
+    return torch.cat([parts[r, :count] for r, count in enumerate(tokens_per_rank)])
+
+
+def _sum_tokens(d: Tensor, tokens_per_rank, group) -> Tensor:
+    """The shards' terms of d summed: all of d on every rank (tokens_per_rank None), or this rank's
+    own tokens' rows (a reduce-scatter)."""
+    dist = _dist()
+    if tokens_per_rank is None:
+        dist.all_reduce(d, group=group)
+        return d
+    longest = max(tokens_per_rank)
+    padded = d.new_zeros((len(tokens_per_rank), longest, *d.shape[1:]))
+    begin = 0
+    for r, count in enumerate(tokens_per_rank):
+        padded[r, :count] = d[begin: begin + count]
+        begin += count
+    out = d.new_empty((longest, *d.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded.reshape(-1, *d.shape[1:]), group=group)
+    return out[: tokens_per_rank[dist.get_rank(group)]]
+
+
+def _tokens_per_rank(n: int, device, group) -> tuple:
+    return tuple(int(c) for c in _all_gather(torch.tensor([n], dtype=torch.int64, device=device), group).flatten())
+
+
+class _FusedLinearShard(_ShardLoss):
+    """inputs: (xs, xt, ws, wt, bias_s, bias_t, labels); ws, wt, the biases: this shard's rows."""
+
+    token_inputs, summed_grads, shard_grads = (0, 1, 6), (0,), (2, 4)
+
+    def __init__(self, call: FusedLinearCall, shard: _Shard):
+        self.call, self.shard = call, shard
+        self.vocab_size = shard.total if call.vocab_size is None else call.vocab_size
+        self.real = max(0, min(self.vocab_size - shard.start, shard.rows))  # the shard's rows inside vocab_size
+
+    def forward(self, inputs):
+        xs, xt, ws, wt, bias_s, bias_t, labels = inputs
+        call, real = self.call, self.real
+        local = _local_labels(labels, self.shard, real, call.ignore_index)
+
+        def shard_forward(row_stats):
+            if real == 0:  # a shard wholly in the padding holds nothing
+                if row_stats is not None:
+                    return xs.new_zeros((xs.shape[0], 2), dtype=torch.float64)
+                empty = torch.tensor(_EMPTY_PARTIAL, dtype=stats_dtype(xs.dtype), device=xs.device)
+                return empty.expand(xs.shape[0], NUM_PARTIAL_FIELDS).contiguous()
+            return ops.fused_linear_shard(xs, xt, ws, wt, local, bias_s, bias_t, row_stats, *call.op_options(real))
+
+        loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, self.vocab_size,
+                                       self.shard.group)
+        self.saved = (xs, xt, ws, wt, bias_s, bias_t, local, row_stats)
+        return loss
+
+    def backward(self, grad_loss, needs):
+        xs, xt, ws, wt, bias_s, bias_t, local, row_stats = self.saved
+        need_dxs, need_dws, need_dbias = needs[0], needs[2], needs[4] and bias_s is not None
+        if self.real == 0:
+            dxs, dws = torch.zeros_like(xs), torch.zeros_like(ws)
+            dbias = torch.zeros_like(bias_s) if bias_s is not None else None
+        else:
+            dxs, dws, dbias = ops.fused_linear_bwd(grad_loss, xs, xt, ws, wt, local, bias_s, bias_t, row_stats,
+                                                   *self.call.op_options(self.real), need_dxs, need_dws, need_dbias)
+        return dxs, None, dws, None, dbias, None, None
+
+
+class _LogitsShard(_ShardLoss):
+    """inputs: (zs, zt, labels), this shard's [N, V_shard] columns of the logits."""
+
+    token_inputs, shard_grads = (0, 1, 2), (0,)
+
+    def __init__(self, call: FusedLinearCall, group):
+        self.call, self.group = call, group
+
+    def forward(self, inputs):
+        zs, zt, labels = inputs
+        call = self.call
+
+        def shard_forward(row_stats):
+            return ops.logits_shard(zs, zt, labels, row_stats, call.ignore_index, call.divergence, call.beta,
+                                    call.temperature)
+
+        vocab_size = int(_all_gather(torch.tensor([zs.shape[1]], device=zs.device), self.group).sum())
+        loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, vocab_size, self.group)
+        self.saved = (zs, zt, labels, row_stats)
+        return loss
+
+    def backward(self, grad_loss, needs):
+        zs, zt, labels, row_stats = self.saved
+        call = self.call
+        dzs = ops.logits_bwd(grad_loss, zs, zt, labels, row_stats, call.ignore_index, call.divergence, call.beta,
+                             call.temperature)
+        return dzs, None, None
+
+
+class _TopKShard(_ShardLoss):
+    """inputs: (xs, ws, bias_s, teacher_ids, teacher_logprobs, labels); ws, bias_s: this shard's rows.
+
+    The shard runs topk_linear_fwd with the ids it holds moved to its own rows and every other id's
+    log-probability set to -inf (q = 0: it adds nothing there), and keeps its student log-normalizer
+    and its ids' logits; the merge finishes the rows from every shard's."""
+
+    token_inputs, summed_grads, shard_grads = (0, 3, 4, 5), (0,), (1, 2)
+
+    def __init__(self, call: TopKCall, shard: _Shard):
+        self.call, self.shard = call, shard
+
+    def forward(self, inputs):
+        xs, ws, bias_s, ids, logprobs, labels = inputs
+        call, shard = self.call, self.shard
+        held = (ids >= shard.start) & (ids < shard.start + shard.rows)
+        local_ids = torch.where(held, ids - shard.start, torch.zeros_like(ids))
+        local_logprobs = torch.where(held, logprobs, torch.full_like(logprobs, float("-inf")))
+        options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
+        _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *options)
+        z = local_stats[:, NUM_TOPK_ROW_STATS:]
+        part = torch.cat([local_stats[:, :2], torch.where(held, z, torch.zeros_like(z))], 1)
+        loss, row_stats = ops.topk_merge_shards(_all_gather(part, shard.group), logprobs, labels, call.ignore_index,
+                                                call.temperature, call.renormalize, xs.dtype == torch.float64)
+        # The backward sees the whole vocabulary's statistics with this shard's logits at the ids: the
+        # others' ids sit on row 0 with q = 0, and there their "logit" must be row 0's own (the dense
+        # part at an id is written from it), or -inf for "topk" (p~ = 0: no sparse term).
+        other = float("-inf") if call.renormalize else None
+        local_z = z if other is None else torch.where(held, z, torch.full_like(z, other))
+        bwd_stats = torch.cat([row_stats[:, :NUM_TOPK_ROW_STATS], local_z], 1)
+        self.saved = (xs, ws, bias_s, local_ids, local_logprobs, labels, bwd_stats, options)
+        return loss
+
+    def backward(self, grad_loss, needs):
+        xs, ws, bias_s, ids, logprobs, labels, row_stats, options = self.saved
+        need_dbias = needs[2] and bias_s is not None
+        dxs, dws, dbias = ops.topk_linear_bwd(grad_loss, xs, ws, ids, logprobs, labels, bias_s, row_stats, *options,
+                                              needs[0], needs[1], need_dbias)
+        return dxs, dws, dbias, None, None, None
+
+
+def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None,
+                      bias_s: Tensor | None, bias_t: Tensor | None, call: FusedLinearCall, group,
+                      tokens_sharded: bool = False) -> Tensor:
+    """Per-token losses [N] of 2-D xs, xt over the vocabulary shards ws, wt of `group`'s ranks
+    (fused_linear.py has validated the rest). tokens_sharded: xs holds this rank's tokens alone."""
+    shard = _shard_layout(ws.shape[0], wt.shape[0], xs.device, group)
+    if call.vocab_size is not None and call.vocab_size > shard.total:
+        raise ValueError(f"vocab_size must be at most the rows of the whole (sharded) vocabulary, {shard.total}, got "
+                         f"{call.vocab_size}")
+    if call.ce_weight > 0:
+        _checks.ids_in_range(labels, call.vocab_size or shard.total, "labels", call.ignore_index)
+    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
+    return _VocabParallel.apply(_FusedLinearShard(call, shard), group, tokens_per_rank,
+                                xs, xt, ws, wt, bias_s, bias_t, labels)
+
+
+def logits_loss(zs: Tensor, zt: Tensor, labels: Tensor | None, call: FusedLinearCall, group) -> Tensor:
+    """Per-row losses [N] of the logits' vocabulary shards zs, zt: [N, V_shard] (logits.py has validated them)."""
+    return _VocabParallel.apply(_LogitsShard(call, group), group, None, zs, zt, labels)
+
+
+def vocabulary_rows(rows: int, device, group) -> int:
+    """The whole vocabulary's rows, from each rank's shard of `rows`."""
+    return _shard_layout(rows, rows, device, group).total
+
+
+def topk_loss(xs: Tensor, ws: Tensor, bias_s: Tensor | None, teacher_ids: Tensor, teacher_logprobs: Tensor,
+              labels: Tensor | None, call: TopKCall, group, tokens_sharded: bool = False) -> Tensor:
+    """Per-token top-K losses [N] of 2-D xs over the vocabulary shards ws of `group`'s ranks (teacher ids
+    global; topk_linear.py has validated the rest)."""
+    shard = _shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
+    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
+    return _VocabParallel.apply(_TopKShard(call, shard), group, tokens_per_rank,
+                                xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)
+
+
+def _dtensor_class():
+    """DTensor, or None where no DTensor can exist yet (its module not imported: nothing to import here,
+    which keeps torch.compile's traces of single-device calls free of imports)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _local(t):
+    """A DTensor's local tensor (differentiable), anything else as it is."""
+    DTensor = _dtensor_class()
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _weight_layout(w: Tensor, name: str) -> str:
+    """"shard" (dim 0 over a 1-D mesh) or "replicate"; raises for every other layout."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if w.device_mesh.ndim != 1:
+        raise ValueError(f"{name} must be a DTensor over a 1-D device mesh, got a {w.device_mesh.ndim}-D mesh: pass "
+                         f"the local shards with process_group= instead")
+    placement = w.placements[0]
+    if isinstance(placement, Shard) and placement.dim == 0:
+        return "shard"
+    if isinstance(placement, Replicate):
+        return "replicate"
+    raise ValueError(f"{name} must be sharded on dim 0 (the vocabulary) or replicated, got placements "
+                     f"{tuple(w.placements)}")
+
+
+def sharded_weights(xs, xt, ws, wt, bias_s, bias_t):
+    """DTensor weights as local tensors (wt, xt, bias_t None for the student-only top-K loss): None when
+    neither ws nor wt is a DTensor, else
+    ((xs, xt, ws, wt, bias_s, bias_t) as local tensors, the mesh's group (None for whole weights),
+    whether xs holds this rank's tokens alone). Raises for the layouts it does not support."""
+    DTensor = _dtensor_class()
+    if DTensor is None or not (isinstance(ws, DTensor) or isinstance(wt, DTensor)):
+        return None
+    if not isinstance(ws, DTensor):
+        raise ValueError("wt is a DTensor but ws is not: shard the student's lm_head on dim 0 as well, or gather wt")
+    layout_s = _weight_layout(ws, "ws")
+    layout_t = _weight_layout(wt, "wt") if isinstance(wt, DTensor) else "whole"
+    if isinstance(wt, DTensor) and wt.device_mesh != ws.device_mesh:
+        raise ValueError("ws and wt must be DTensors over one device mesh")
+    if layout_s == "replicate":  # whole weights on every rank: the single-device loss
+        if layout_t == "shard":
+            raise ValueError("ws is replicated but wt is sharded: shard both lm_heads on dim 0, or neither")
+        return tuple(_local(t) for t in (xs, xt, ws, wt, bias_s, bias_t)), None, False
+    group = ws.device_mesh.get_group()
+    ws_local, wt_local, bias_t = ws.to_local(), _local(wt), _local(bias_t)
+    if layout_t != "shard" and wt_local is not None:  # a whole teacher lm_head: the rows of ws's shard
+        start = _shard_start(ws_local.shape[0], ws_local.device, group)
+        wt_local = wt_local[start: start + ws_local.shape[0]]
+        bias_t = bias_t[start: start + ws_local.shape[0]] if bias_t is not None else None
+    tokens_sharded = not isinstance(xs, DTensor)
+    if not tokens_sharded:
+        from torch.distributed.tensor import Replicate
+
+        if not all(isinstance(p, Replicate) for p in xs.placements):
+            raise ValueError(f"xs must be a plain tensor (each rank's own tokens, as under FSDP2) or a DTensor "
+                             f"replicated over the mesh (tensor parallelism), got placements {tuple(xs.placements)}")
+    return (_local(xs), _local(xt), ws_local, wt_local, _local(bias_s), bias_t), group, tokens_sharded
+
+
+def _shard_start(rows: int, device, group) -> int:
+    """Where this rank's shard of `rows` rows starts in the whole vocabulary."""
+    counts = _all_gather(torch.tensor([rows], dtype=torch.int64, device=device), group).flatten().tolist()
+    return sum(counts[: _dist().get_rank(group)])

@@ -1,0 +1,26 @@
+"""Runs a function on `world` processes joined in a torch.distributed group, as the multi-process tests need."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()  # no rank tears its connections down while another still reads from them
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
+    """fn(rank, world, *args) on each of `world` spawned processes; a failure on any rank raises here
+    with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(world, init_file, backend, fn, args), nprocs=world, join=True)

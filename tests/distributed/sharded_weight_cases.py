@@ -1,0 +1,115 @@
+"""What each rank runs in the DTensor tests: lm_head weights sharded on dim 0 as tensor parallelism
+(xs replicated) and FSDP2 (each rank's own tokens) leave them, against the single-process loss."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import nitrobrew
+from vocab_parallel_cases import _close, _inputs
+
+
+def tensor_parallel(rank: int, world: int) -> None:
+    """ws, wt, bias_s DTensors Shard(0), xs a replicated DTensor: every rank's loss and xs.grad are the
+    whole vocabulary's, ws.grad the rank's shard of the single-process gradient."""
+    mesh = init_device_mesh("cpu", (world,))
+    xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(torch.float64)
+    for divergence, options in (("forward_kl", {"labels": labels, "ce_weight": 0.5}),
+                                ("jsd", {"beta": 0.3, "bias_s": bias_s, "bias_t": bias_t})):
+        fn = getattr(nitrobrew, divergence)
+        x = xs.clone().requires_grad_()
+        w = ws.clone().requires_grad_()
+        b = options.get("bias_s")
+        whole_options = dict(options, bias_s=b.clone().requires_grad_()) if b is not None else options
+        whole = fn(x, xt, w, wt, **whole_options)
+        whole.backward()
+        x_d = distribute_tensor(xs.clone(), mesh, [Replicate()]).requires_grad_()
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        sharded_options = dict(options)
+        if b is not None:
+            sharded_options["bias_s"] = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_()
+            sharded_options["bias_t"] = distribute_tensor(options["bias_t"].clone(), mesh, [Shard(0)])
+        loss = fn(x_d, distribute_tensor(xt, mesh, [Replicate()]), w_d, distribute_tensor(wt, mesh, [Shard(0)]),
+                  **sharded_options)
+        loss.backward()
+        what = f"rank {rank}/{world} tensor parallel {divergence}"
+        _close(loss.detach(), whole.detach(), 1e-12, f"{what}: loss")
+        _close(x_d.grad.to_local(), x.grad, 1e-12, f"{what}: xs.grad")
+        _close(w_d.grad.full_tensor(), w.grad, 1e-12, f"{what}: ws.grad")
+        if b is not None:
+            _close(sharded_options["bias_s"].grad.full_tensor(), whole_options["bias_s"].grad, 1e-12,
+                   f"{what}: bias_s.grad")
+
+
+def layouts(rank: int, world: int) -> None:
+    """Layouts the loss does not take raise a ValueError naming the argument."""
+    mesh = init_device_mesh("cpu", (world,))
+    xs, xt, ws, wt, *_ = _inputs(torch.float64)
+    cases = {
+        "sharded on dim 1": (xs, xt, distribute_tensor(ws, mesh, [Shard(1)]), wt, "ws must be sharded on dim 0"),
+        "student whole, teacher sharded": (xs, xt, ws, distribute_tensor(wt, mesh, [Shard(0)]), "wt is a DTensor"),
+        "xs sharded": (distribute_tensor(xs, mesh, [Shard(0)]), xt, distribute_tensor(ws, mesh, [Shard(0)]), wt,
+                       "xs must be a plain tensor"),
+    }
+    for name, (x, x_t, w, w_t, message) in cases.items():
+        try:
+            nitrobrew.forward_kl(x, x_t, w, w_t)
+        except ValueError as error:
+            assert message in str(error), f"{name}: {error}"
+        else:
+            raise AssertionError(f"{name}: no error")
+
+
+def fsdp2_tiny_llama(rank: int, world: int) -> None:
+    """A tiny Hugging Face student under FSDP2 (its decoder and its lm_head units of their own: the
+    decoder runs alone, and the lm_head's weight stays sharded), each rank with its own tokens: nitrobrew's loss from the decoder's
+    hidden states and the sharded lm_head equals the loss from the model's own logits, and so do the
+    gradients FSDP2 leaves on every parameter (ws.grad averaged over the ranks as FSDP2 averages)."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from nitrobrew import reference
+
+    vocab = 67  # shards of 34 and 33 rows on 2 ranks
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config).double()
+    with torch.no_grad():
+        base.lm_head.weight.mul_(8.0)
+    teacher = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(10 + rank)  # each rank's own tokens, of its own count
+    input_ids = torch.randint(0, vocab, (2, 9 + rank), generator=g)
+
+    def shard(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model.model, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    with torch.no_grad():
+        zt = teacher(input_ids=input_ids).logits[:, :-1]
+        ht = teacher.model(input_ids=input_ids).last_hidden_state[:, :-1]
+    usual = shard(copy.deepcopy(base))
+    zs = usual(input_ids=input_ids).logits[:, :-1]
+    expected = reference.logits(zs, zt, beta=0.0)
+    expected.backward()
+
+    fused = shard(copy.deepcopy(base))
+    hs = fused.model(input_ids=input_ids).last_hidden_state[:, :-1]
+    assert isinstance(fused.lm_head.weight, DTensor)
+    loss = nitrobrew.forward_kl(hs, ht, fused.lm_head.weight, teacher.lm_head.weight)
+    loss.backward()
+
+    what = f"rank {rank}/{world} FSDP2"
+    _close(loss.detach(), expected.detach(), 1e-11, f"{what}: loss")
+    for (name, p_usual), (_, p_fused) in zip(usual.named_parameters(), fused.named_parameters()):
+        _close(p_fused.grad.to_local(), p_usual.grad.to_local(), 1e-10, f"{what}: {name}.grad")

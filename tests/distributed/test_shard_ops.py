@@ -1,0 +1,141 @@
+"""The vocabulary shards' ops in one process (no process group): the loss's vocabulary cut into
+uneven shards, each shard's forward (fused_linear_shard, logits_shard) with its own labels, the
+states merged (merge_shards) and each shard's backward from the merged statistics give the
+single-device op's loss, row statistics and gradients. On CUDA this checks the kernels' handling of
+shards (offsets, partial states, vocab_size inside a shard); the sanitize case runs them under
+compute-sanitizer (tools/gpu/check.sh)."""
+
+import pytest
+import torch
+
+from conftest import CUDA
+from nitrobrew.distributed import _EMPTY_PARTIAL, FusedLinearCall, _local_labels, _Shard
+
+ops = torch.ops.nitrobrew
+V, ROWS = 300, 310  # 10 padded rows
+BOUNDS = [0, 40, 41, 200, 290, ROWS]  # uneven shards; vocab_size falls inside the fourth, the last is padding
+
+CASES = [
+    FusedLinearCall("forward_kl", 0.0, 1.0),
+    FusedLinearCall("reverse_kl", 1.0, 0.7, ce_weight=0.5, softcap_s=6.0),
+    FusedLinearCall("jsd", 0.3, 1.5, ce_weight=1.0, logit_scale_s=0.8, softcap_t=8.0),
+    FusedLinearCall("jsd", 0.6, 1.0),
+]
+
+
+def _problem(device, dtype, n=70, d_s=40, d_t=56):
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(n, d_s, generator=g)
+    xt = torch.randn(n, d_t, generator=g)
+    ws = torch.randn(ROWS, d_s, generator=g) * 3 / d_s**0.5
+    wt = torch.randn(ROWS, d_t, generator=g) * 3 / d_t**0.5
+    bias_s, bias_t = torch.randn(ROWS, generator=g), torch.randn(ROWS, generator=g)
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[::5] = -100
+    floats = [t.to(device=device, dtype=dtype) for t in (xs, xt, ws, wt, bias_s, bias_t)]
+    return (*floats, labels.to(device))
+
+
+def _shards_fused_linear(call, xs, xt, ws, wt, bias_s, bias_t, labels, grad):
+    """Loss, row_stats and (dxs, dws, dbias) of the shards, merged as nitrobrew.distributed merges them."""
+    parts, locals_ = [], []
+    for start, stop in zip(BOUNDS[:-1], BOUNDS[1:]):
+        real = max(0, min(V - start, stop - start))
+        local = _local_labels(labels, _Shard(None, start, stop - start, ROWS, 0, 0), real, call.ignore_index)
+        args = (xs, xt, ws[start:stop], wt[start:stop], local, bias_s[start:stop], bias_t[start:stop])
+        locals_.append((real, args))
+        if real == 0:
+            dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32
+            parts.append(torch.tensor(_EMPTY_PARTIAL, dtype=dtype, device=xs.device).expand(xs.shape[0], 8))
+        else:
+            parts.append(ops.fused_linear_shard(*args, None, *call.op_options(real)))
+    parts = torch.stack(parts)
+    merge = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, V)
+    loss, row_stats = ops.merge_shards(parts, None, *merge)
+    if call.uses_mixture():
+        mixtures = torch.stack([
+            ops.fused_linear_shard(*args, row_stats, *call.op_options(real)) if real else
+            torch.zeros(xs.shape[0], 2, dtype=torch.float64, device=xs.device) for real, args in locals_])
+        loss, row_stats = ops.merge_shards(parts, mixtures, *merge)
+    dxs, dws, dbias = torch.zeros_like(xs, dtype=torch.float64 if xs.dtype == torch.float64 else torch.float32), [], []
+    for real, args in locals_:
+        if real == 0:
+            dws.append(torch.zeros_like(args[2]))
+            dbias.append(torch.zeros_like(args[5]))
+            continue
+        d = ops.fused_linear_bwd(grad, *args, row_stats, *call.op_options(real), True, True, True)
+        dxs += d[0].to(dxs.dtype)
+        dws.append(d[1])
+        dbias.append(d[2])
+    return loss, row_stats, (dxs, torch.cat(dws), torch.cat(dbias))
+
+
+def _check(device, dtype, call):
+    xs, xt, ws, wt, bias_s, bias_t, labels = _problem(device, dtype)
+    grad = torch.rand(xs.shape[0], device=device)
+    whole_options = call.op_options(V)
+    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options)
+    grads = ops.fused_linear_bwd(grad, xs, xt, ws, wt, labels, bias_s, bias_t, row_stats, *whole_options,
+                                 True, True, True)
+    s_loss, s_stats, s_grads = _shards_fused_linear(call, xs, xt, ws, wt, bias_s, bias_t, labels, grad)
+    exact = dtype == torch.float64
+    rtol = 1e-12 if exact else 2e-5
+    torch.testing.assert_close(s_loss, loss, rtol=rtol, atol=rtol * loss.abs().max().item())
+    torch.testing.assert_close(s_stats, row_stats, rtol=rtol, atol=rtol * row_stats.abs().max().item())
+    for name, a, b in zip(("dxs", "dws", "dbias_s"), s_grads, grads):
+        # 16-bit gradients: each shard's dxs comes back rounded to the inputs' dtype before the sum.
+        tol = rtol if exact or dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(a.to(b.dtype).float(), b.float(), rtol=tol, atol=tol * b.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+def test_fused_linear_shards_merge_to_the_whole_cpu(call):
+    _check("cpu", torch.float64, call)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+def test_fused_linear_shards_merge_to_the_whole_cuda(call, dtype):
+    _check("cuda", dtype, call)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.4)])
+def test_logits_shards_merge_to_the_whole(device, divergence, beta):
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    zs = (torch.randn(33, V, generator=g) * 4).to(device=device, dtype=dtype)
+    zt = (torch.randn(33, V, generator=g) * 4).to(device=device, dtype=dtype)
+    zs[:, 50:120] = zt[:, 50:120] = float("-inf")  # a masked range spanning a whole shard
+    labels = torch.randint(0, V, (33,), generator=g).to(device)
+    labels[::3] = -100
+    options = (-100, divergence, beta, 1.3)
+    bounds = [0, 41, 120, 121, V]
+    loss, row_stats = ops.logits_fwd(zs, zt, labels, *options)
+    parts = torch.stack([ops.logits_shard(zs[:, a:b], zt[:, a:b], labels, None, *options)
+                         for a, b in zip(bounds[:-1], bounds[1:])])
+    merge = (labels, -100, divergence, beta, 0.0, V)
+    s_loss, s_stats = ops.merge_shards(parts, None, *merge)
+    if divergence == "jsd":
+        mixtures = torch.stack([ops.logits_shard(zs[:, a:b], zt[:, a:b], labels, s_stats, *options)
+                                for a, b in zip(bounds[:-1], bounds[1:])])
+        s_loss, s_stats = ops.merge_shards(parts, mixtures, *merge)
+    rtol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(s_loss, loss, rtol=rtol, atol=rtol * loss.abs().max().item())
+    grad = torch.rand(33, device=device, dtype=loss.dtype)
+    dzs = ops.logits_bwd(grad, zs, zt, labels, row_stats, *options)
+    s_dzs = torch.cat([ops.logits_bwd(grad, zs[:, a:b], zt[:, a:b], labels, s_stats, *options)
+                       for a, b in zip(bounds[:-1], bounds[1:])], 1)
+    tol = rtol if dtype == torch.float64 else 2 ** -7
+    torch.testing.assert_close(s_dzs.float(), dzs.float(), rtol=tol, atol=tol * dzs.float().abs().max().item())
+
+
+@CUDA
+@pytest.mark.sanitize
+def test_every_shard_kernel_once():
+    for dtype in (torch.bfloat16, torch.float32):
+        for call in CASES:
+            _check("cuda", dtype, call)
+    torch.cuda.synchronize()

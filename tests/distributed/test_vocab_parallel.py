@@ -1,0 +1,36 @@
+"""Vocabulary-parallel losses (process_group=) on 1 to 4 CPU processes over gloo, uneven shards:
+every loss and option against the single-process loss of the whole vocabulary and the float64
+reference, values and gradients (cases.py)."""
+
+import pytest
+import torch.distributed as dist
+
+import vocab_parallel_cases as cases
+from rank_processes import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fused_linear(world):
+    run_on_ranks(world, cases.fused_linear, "float64")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_linear_float32(world):
+    run_on_ranks(world, cases.fused_linear, "float32")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_logits(world):
+    run_on_ranks(world, cases.logits, "float64")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_topk_linear(world):
+    run_on_ranks(world, cases.topk_linear, "float64")
+
+
+@pytest.mark.parametrize("world", [3])
+def test_topk_linear_float32(world):
+    run_on_ranks(world, cases.topk_linear, "float32")

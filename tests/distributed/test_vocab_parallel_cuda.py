@@ -1,0 +1,44 @@
+"""The vocabulary-parallel losses on the one GPU there is: world size 1 over NCCL, and 2 processes
+sharing the GPU over gloo (uneven shards; vocab_size inside a shard and a shard wholly in the
+padding), 16-bit and float32, against the single-GPU loss and, for 16-bit, the float64 reference
+under the CUDA tests' tolerance rule (vocab_parallel_cases.py). Several GPUs: tests/distributed on
+NCCL, the multi-GPU issue."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vocab_parallel_cases as cases
+from rank_processes import run_on_ranks
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+RUNS = [pytest.param(1, "nccl", id="nccl-1"), pytest.param(2, "gloo", id="gloo-2-on-one-gpu")]
+
+
+@pytest.fixture(autouse=True)
+def _on_the_gpu(monkeypatch):
+    monkeypatch.setenv("NITROBREW_TEST_DEVICE", "cuda")  # read by the spawned ranks
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_linear(world, backend, dtype):
+    run_on_ranks(world, cases.fused_linear, dtype, backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+def test_logits(world, backend):
+    run_on_ranks(world, cases.logits, "bfloat16", backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_topk_linear(world, backend, dtype):
+    run_on_ranks(world, cases.topk_linear, dtype, backend=backend)

@@ -1,0 +1,253 @@
+"""What each rank runs in the vocabulary-parallel tests: every case's loss over its shard of the
+vocabulary against the single-process loss of the whole vocabulary (values and gradients), and the
+float64 reference (nitrobrew.reference), in one process group per world size."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import nitrobrew
+from nitrobrew import reference
+
+# Uneven shards of a vocabulary of V = 37 rows (ws / wt padded to ROWS with vocab_size < ROWS).
+V = 37
+SHARDS = {1: [V], 2: [20, 17], 3: [12, 1, 24], 4: [10, 13, 5, 9]}
+LOSSES = {"forward_kl": nitrobrew.forward_kl, "reverse_kl": nitrobrew.reverse_kl, "jsd": nitrobrew.jsd}
+LOGIT_LOSSES = {"forward_kl": nitrobrew.logits.forward_kl, "reverse_kl": nitrobrew.logits.reverse_kl,
+                "jsd": nitrobrew.logits.jsd}
+
+# (divergence, options) of the fused-linear cases: every divergence, with and without each option.
+FUSED_LINEAR_CASES = [
+    ("forward_kl", {}),
+    ("reverse_kl", {}),
+    ("jsd", {"beta": 0.3}),
+    ("jsd", {"beta": 0.0}),
+    ("jsd", {"beta": 1.0}),
+    ("forward_kl", {"labels": True, "reduction": "none"}),
+    ("reverse_kl", {"labels": True, "ce_weight": 0.5, "temperature": 2.0}),
+    ("jsd", {"beta": 0.7, "labels": True, "ce_weight": 1.0, "reduction": "sum"}),
+    ("forward_kl", {"softcap_s": 3.0, "softcap_t": 4.0, "temperature": 0.5}),
+    ("jsd", {"beta": 0.4, "bias": True, "logit_scale_s": 0.8, "logit_scale_t": 1.3}),
+    ("reverse_kl", {"bias": True, "softcap_s": 5.0, "labels": True, "ce_weight": 0.2}),
+    # padded vocabularies: the last 8 rows are padding, so vocab_size falls inside a shard, and with
+    # world 4 the last shard lies wholly past it
+    ("forward_kl", {"vocab_size": V - 8, "labels": True, "ce_weight": 0.3}),
+    ("jsd", {"beta": 0.5, "vocab_size": V - 9, "bias": True}),
+    ("reverse_kl", {"vocab_size": V - 12, "temperature": 0.7}),
+]
+
+
+def _inputs(dtype, n=23, d_s=12, d_t=20, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(n, d_s, generator=g, dtype=torch.float64)
+    xt = torch.randn(n, d_t, generator=g, dtype=torch.float64)
+    ws = torch.randn(V, d_s, generator=g, dtype=torch.float64) * 3 / d_s**0.5
+    wt = torch.randn(V, d_t, generator=g, dtype=torch.float64) * 3 / d_t**0.5
+    bias_s, bias_t = torch.randn(V, generator=g, dtype=torch.float64), torch.randn(V, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V - 12, (n,), generator=g)
+    labels[::4] = -100
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    return [(t.to(dtype) if t.is_floating_point() else t).to(device)
+            for t in (xs, xt, ws, wt, bias_s, bias_t, labels, upstream)]
+
+
+def _shard_rows(rank: int, world: int) -> slice:
+    sizes = SHARDS[world]
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _run(loss_fn, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options, **extra):
+    """Loss and gradients (xs, ws[, bias_s]) of one call."""
+    leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+    if bias_s is not None:
+        leaves.append(bias_s.clone().requires_grad_())
+    loss = loss_fn[divergence](leaves[0], xt, leaves[1], wt, bias_s=leaves[2] if bias_s is not None else None,
+                               bias_t=bias_t, labels=labels, **options, **extra)
+    grads = torch.autograd.grad(loss, leaves, upstream if loss.dim() else upstream.sum())
+    return loss.detach(), grads
+
+
+def _close(actual, expected, rtol, what):
+    err = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+    bound = rtol * max(expected.double().abs().max().item() if expected.numel() else 0.0, 1e-30)
+    assert torch.isfinite(actual).all() and err <= bound, f"{what}: error {err:.3e} > {bound:.3e}"
+
+
+def _tolerances(dtype):
+    """(loss, gradients) relative to the largest entry, of a shard's result against the whole's: float64
+    exact to rounding; float32 and 16-bit losses from float32 row states; 16-bit gradients rounded to
+    their dtype on each shard before the hidden states' sum over shards (two roundings of 2^-8 each)."""
+    if dtype == torch.float64:
+        return 1e-12, 1e-12
+    return 2e-5, (2e-5 if dtype == torch.float32 else 2 ** -6)
+
+
+def _device():
+    """The device of this rank's tensors: its GPU where CUDA is in use (ranks share GPU 0 over gloo)."""
+    return "cuda" if torch.cuda.is_available() and os.environ.get("NITROBREW_TEST_DEVICE") == "cuda" else "cpu"
+
+
+def fused_linear(rank: int, world: int, dtype_name: str) -> None:
+    dtype, device = getattr(torch, dtype_name), _device()
+    rtol, gtol = _tolerances(dtype)
+    rows = _shard_rows(rank, world)
+    failures = []
+    for divergence, options in FUSED_LINEAR_CASES:
+        options = dict(options)
+        xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
+        if not options.pop("bias", False):
+            bias_s = bias_t = None
+        if not options.pop("labels", False):
+            labels = None
+        if options.get("reduction") != "none":
+            upstream = upstream[0]
+        what = f"rank {rank}/{world} {dtype_name} {divergence} {options} bias={bias_s is not None}"
+        try:
+            whole = _run(LOSSES, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options)
+            shard = _run(LOSSES, divergence, xs, xt, ws[rows], wt[rows], None if bias_s is None else bias_s[rows],
+                         None if bias_t is None else bias_t[rows], labels, upstream, options,
+                         process_group=dist.group.WORLD)
+            _close(shard[0], whole[0], rtol, f"{what}: loss")
+            _close(shard[1][0], whole[1][0], gtol, f"{what}: xs.grad")
+            _close(shard[1][1], whole[1][1][rows], gtol, f"{what}: ws.grad")
+            if bias_s is not None:
+                _close(shard[1][2], whole[1][2][rows], gtol, f"{what}: bias_s.grad")
+            if dtype == torch.float64:  # and the materializing reference, by autograd
+                beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
+                ref_options = {k: v for k, v in options.items() if k != "beta"}
+                leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+                ref = reference.fused_linear(leaves[0], xt, leaves[1], wt, beta=beta, labels=labels, bias_s=bias_s,
+                                             bias_t=bias_t, **ref_options)
+                ref_grads = torch.autograd.grad(ref, leaves, upstream)
+                _close(shard[0], ref.detach(), 1e-10, f"{what}: loss vs reference")
+                _close(shard[1][0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
+                _close(shard[1][1], ref_grads[1][rows], 1e-10, f"{what}: ws.grad vs reference")
+            if dtype in (torch.bfloat16, torch.float16):  # the CUDA tests' tolerance rule against float64
+                _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream,
+                                               options, rows, what)
+        except Exception as error:  # every case runs; all failures are reported together
+            failures.append(f"{what}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+def _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options,
+                                   rows, what):
+    """A shard's 16-bit loss and gradients within the rule of the single-device CUDA tests
+    (tests/helpers.py): k times the error of float32 PyTorch against float64."""
+    from helpers import assert_close_to_oracle, reference_values_and_grads
+
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
+    ref_options = dict({k: v for k, v in options.items() if k != "beta"}, beta=beta, labels=labels)
+    oracle = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float64, bias_s=bias_s, bias_t=bias_t,
+                                        **ref_options)
+    same = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float32, bias_s=bias_s, bias_t=bias_t,
+                                      **ref_options)
+    for i, name in enumerate(("loss", "dxs", "dws", "dbias_s")[: len(oracle)]):
+        actual = shard[0] if i == 0 else shard[1][i - 1]
+        o, s = (oracle[i][rows], same[i][rows]) if name in ("dws", "dbias_s") else (oracle[i], same[i])
+        assert_close_to_oracle(actual, o, s, k=8.0 if name == "dbias_s" else 5.0, what=f"{what}: {name} vs reference")
+
+
+def logits(rank: int, world: int, dtype_name: str) -> None:
+    dtype, device = getattr(torch, dtype_name), _device()
+    rtol, gtol = _tolerances(dtype)
+    cols = _shard_rows(rank, world)
+    failures = []
+    for divergence, options in [("forward_kl", {}), ("reverse_kl", {"temperature": 0.5}),
+                                ("jsd", {"beta": 0.3, "labels": True, "reduction": "none"}),
+                                ("jsd", {"beta": 0.8, "masked_vocab": True}), ("forward_kl", {"masked_vocab": True})]:
+        options = dict(options)
+        g = torch.Generator().manual_seed(1)
+        zs = (torch.randn(19, V, generator=g, dtype=torch.float64) * 3).to(device=device, dtype=dtype)
+        zt = (torch.randn(19, V, generator=g, dtype=torch.float64) * 3).to(device=device, dtype=dtype)
+        if options.pop("masked_vocab", False):  # -inf entries: a whole shard's worth, in every row of both
+            zs[:, 5:15] = zt[:, 5:15] = float("-inf")  # models (a masked vocabulary) and in some of the teacher's
+            zt[:4, 20:] = float("-inf")
+        labels = torch.randint(0, V, (19,), generator=g).to(device)
+        labels[::3] = -100
+        labels = labels if options.pop("labels", False) else None
+        upstream = torch.randn(19, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        if options.get("reduction") != "none":
+            upstream = upstream[0]
+        what = f"rank {rank}/{world} {dtype_name} logits {divergence} {options}"
+        try:
+            results = []
+            for z_s, z_t, extra in ((zs, zt, {}), (zs[:, cols], zt[:, cols], {"process_group": dist.group.WORLD})):
+                leaf = z_s.clone().requires_grad_()
+                loss = LOGIT_LOSSES[divergence](leaf, z_t, labels=labels, **options, **extra)
+                results.append((loss.detach(), torch.autograd.grad(loss, leaf, upstream)[0]))
+            (whole, d_whole), (shard, d_shard) = results
+            _close(shard, whole, rtol, f"{what}: loss")
+            _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
+        except Exception as error:
+            failures.append(f"{what}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+TOPK_CASES = [
+    {"normalize": "full"},
+    {"normalize": "topk"},
+    {"normalize": "full", "labels": True, "temperature": 0.5, "reduction": "none"},
+    {"normalize": "topk", "labels": True, "bias": True, "reduction": "sum"},
+    {"normalize": "full", "bias": True, "logit_scale_s": 1.7},
+    {"normalize": "topk", "logit_scale_s": 0.6, "temperature": 2.0},
+]
+
+
+def _teacher(n, k, seed):
+    """Top-K ids spread over every shard, some repeated, and log-probabilities with -inf entries (and
+    in one row all -inf)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(n)])
+    ids[1, 1] = ids[1, 0]  # a repeated id
+    logprobs = torch.log_softmax(torch.randn(n, V, generator=g, dtype=torch.float64), -1).gather(1, ids)
+    logprobs[2, 3:] = float("-inf")
+    return ids, logprobs
+
+
+def topk_linear(rank: int, world: int, dtype_name: str) -> None:
+    dtype, device = getattr(torch, dtype_name), _device()
+    rtol, gtol = _tolerances(dtype)
+    rows = _shard_rows(rank, world)
+    failures = []
+    for options in TOPK_CASES:
+        options = dict(options)
+        xs, _, ws, _, bias_s, _, labels, upstream = _inputs(dtype, seed=3, device=device)
+        ids, logprobs = (t.to(device) for t in _teacher(xs.shape[0], 6, seed=4))
+        logprobs = logprobs.to(dtype)
+        bias_s = bias_s if options.pop("bias", False) else None
+        labels = labels if options.pop("labels", False) else None
+        if options.get("reduction") != "none":
+            upstream = upstream[0]
+        what = f"rank {rank}/{world} {dtype_name} topk {options} bias={bias_s is not None}"
+        try:
+            results = []
+            for w, b, extra in ((ws, bias_s, {}), (ws[rows], None if bias_s is None else bias_s[rows],
+                                                  {"process_group": dist.group.WORLD})):
+                leaves = [xs.clone().requires_grad_(), w.clone().requires_grad_()]
+                if b is not None:
+                    leaves.append(b.clone().requires_grad_())
+                loss = nitrobrew.topk_kl(leaves[0], leaves[1], ids, logprobs, labels=labels,
+                                         bias_s=leaves[2] if b is not None else None, **options, **extra)
+                results.append((loss.detach(), torch.autograd.grad(loss, leaves, upstream)))
+            (whole, d_whole), (shard, d_shard) = results
+            _close(shard, whole, rtol, f"{what}: loss")
+            _close(d_shard[0], d_whole[0], gtol, f"{what}: xs.grad")
+            _close(d_shard[1], d_whole[1][rows], gtol, f"{what}: ws.grad")
+            if bias_s is not None:
+                _close(d_shard[2], d_whole[2][rows], gtol, f"{what}: bias_s.grad")
+            if dtype == torch.float64:
+                leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
+                ref = reference.topk_linear(leaves[0], leaves[1], ids, logprobs, bias_s=bias_s, labels=labels,
+                                            **options)
+                ref_grads = torch.autograd.grad(ref, leaves, upstream)
+                _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
+                _close(d_shard[0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
+                _close(d_shard[1], ref_grads[1][rows], 1e-10, f"{what}: ws.grad vs reference")
+        except Exception as error:
+            failures.append(f"{what}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
