@@ -48,7 +48,8 @@ NUM_PARTIAL_FIELDS = 8
 # Columns of the top-K row statistics before the K logits (TopKRowStat in csrc/divergence/topk_params.h).
 NUM_TOPK_ROW_STATS = 4
 
-__all__ = ["FusedLinearCall", "TopKCall", "fused_linear_loss", "logits_loss", "sharded_weights", "topk_loss"]
+__all__ = ["FusedLinearCall", "TopKCall", "fused_linear_loss", "logits_loss", "sharded_weights", "topk_logits_loss",
+           "topk_loss"]
 
 # The unfinished row state of a shard holding none of the vocabulary (PartialField, row_partial.h):
 # both softmax sides and the CE state empty (max -inf, sum 0), nothing summed, no label logit.
@@ -349,44 +350,75 @@ class _LogitsShard(_ShardLoss):
 
 
 class _TopKShard(_ShardLoss):
-    """inputs: (xs, ws, bias_s, teacher_ids, teacher_logprobs, labels); ws, bias_s: this shard's rows.
+    """The top-K loss on a vocabulary shard (from hidden states or from logits).
 
-    The shard runs topk_linear_fwd with the ids it holds moved to its own rows and every other id's
-    log-probability set to -inf (q = 0: it adds nothing there), and keeps its student log-normalizer
-    and its ids' logits; the merge finishes the rows from every shard's."""
-
-    token_inputs, summed_grads, shard_grads = (0, 3, 4, 5), (0,), (1, 2)
+    The shard runs its top-K forward with the ids it holds moved to its own rows and every other id
+    put on row 0 with a log-probability of -inf (q = 0: it adds nothing there), and keeps its student
+    log-normalizer and its ids' logits; topk_merge_shards finishes the rows from every shard's."""
 
     def __init__(self, call: TopKCall, shard: _Shard):
         self.call, self.shard = call, shard
 
-    def forward(self, inputs):
-        xs, ws, bias_s, ids, logprobs, labels = inputs
-        call, shard = self.call, self.shard
+    def _local_teacher(self, ids, logprobs):
+        shard = self.shard
         held = (ids >= shard.start) & (ids < shard.start + shard.rows)
-        local_ids = torch.where(held, ids - shard.start, torch.zeros_like(ids))
-        local_logprobs = torch.where(held, logprobs, torch.full_like(logprobs, float("-inf")))
-        options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
-        _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *options)
+        return (held, torch.where(held, ids - shard.start, torch.zeros_like(ids)),
+                torch.where(held, logprobs, torch.full_like(logprobs, float("-inf"))))
+
+    def _merged(self, local_stats, held, logprobs, labels, float64_logits):
+        """(loss, the statistics this shard's backward reads)."""
+        call = self.call
         z = local_stats[:, NUM_TOPK_ROW_STATS:]
         part = torch.cat([local_stats[:, :2], torch.where(held, z, torch.zeros_like(z))], 1)
-        loss, row_stats = ops.topk_merge_shards(_all_gather(part, shard.group), logprobs, labels, call.ignore_index,
-                                                call.temperature, call.renormalize, xs.dtype == torch.float64)
-        # The backward sees the whole vocabulary's statistics with this shard's logits at the ids: the
-        # others' ids sit on row 0 with q = 0, and there their "logit" must be row 0's own (the dense
-        # part at an id is written from it), or -inf for "topk" (p~ = 0: no sparse term).
-        other = float("-inf") if call.renormalize else None
-        local_z = z if other is None else torch.where(held, z, torch.full_like(z, other))
-        bwd_stats = torch.cat([row_stats[:, :NUM_TOPK_ROW_STATS], local_z], 1)
-        self.saved = (xs, ws, bias_s, local_ids, local_logprobs, labels, bwd_stats, options)
+        loss, row_stats = ops.topk_merge_shards(_all_gather(part, self.shard.group), logprobs, labels,
+                                                call.ignore_index, call.temperature, call.renormalize, float64_logits)
+        # The backward reads the whole vocabulary's statistics with this shard's logits at the ids: the
+        # others' ids sit on row 0 with q = 0, and there their logit must be row 0's own (the dense part
+        # at an id is written from it), or -inf for "topk" (p~ = 0: no sparse term).
+        if call.renormalize:
+            z = torch.where(held, z, torch.full_like(z, float("-inf")))
+        return loss, torch.cat([row_stats[:, :NUM_TOPK_ROW_STATS], z], 1)
+
+
+class _TopKLinearShard(_TopKShard):
+    """inputs: (xs, ws, bias_s, teacher_ids, teacher_logprobs, labels); ws, bias_s: this shard's rows."""
+
+    token_inputs, summed_grads, shard_grads = (0, 3, 4, 5), (0,), (1, 2)
+
+    def forward(self, inputs):
+        xs, ws, bias_s, ids, logprobs, labels = inputs
+        call = self.call
+        held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
+        options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
+        _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *options)
+        loss, row_stats = self._merged(local_stats, held, logprobs, labels, xs.dtype == torch.float64)
+        self.saved = (xs, ws, bias_s, local_ids, local_logprobs, labels, row_stats, options)
         return loss
 
     def backward(self, grad_loss, needs):
         xs, ws, bias_s, ids, logprobs, labels, row_stats, options = self.saved
-        need_dbias = needs[2] and bias_s is not None
         dxs, dws, dbias = ops.topk_linear_bwd(grad_loss, xs, ws, ids, logprobs, labels, bias_s, row_stats, *options,
-                                              needs[0], needs[1], need_dbias)
+                                              needs[0], needs[1], needs[2] and bias_s is not None)
         return dxs, dws, dbias, None, None, None
+
+
+class _TopKLogitsShard(_TopKShard):
+    """inputs: (zs, teacher_ids, teacher_logprobs, labels); zs: this shard's [N, V_shard] columns."""
+
+    token_inputs, shard_grads = (0, 1, 2, 3), (0,)
+
+    def forward(self, inputs):
+        zs, ids, logprobs, labels = inputs
+        held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
+        options = (self.call.ignore_index, self.call.temperature, self.call.renormalize)
+        _, local_stats = ops.topk_logits_fwd(zs, local_ids, local_logprobs, labels, *options)
+        loss, row_stats = self._merged(local_stats, held, logprobs, labels, zs.dtype == torch.float64)
+        self.saved = (zs, local_ids, local_logprobs, labels, row_stats, options)
+        return loss
+
+    def backward(self, grad_loss, needs):
+        zs, ids, logprobs, labels, row_stats, options = self.saved
+        return ops.topk_logits_bwd(grad_loss, zs, ids, logprobs, labels, row_stats, *options), None, None, None
 
 
 def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None,
@@ -421,8 +453,15 @@ def topk_loss(xs: Tensor, ws: Tensor, bias_s: Tensor | None, teacher_ids: Tensor
     global; topk_linear.py has validated the rest)."""
     shard = _shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
     tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
-    return _VocabParallel.apply(_TopKShard(call, shard), group, tokens_per_rank,
+    return _VocabParallel.apply(_TopKLinearShard(call, shard), group, tokens_per_rank,
                                 xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)
+
+
+def topk_logits_loss(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Tensor | None,
+                     call: TopKCall, group) -> Tensor:
+    """Per-row top-K losses [N] of the logits' vocabulary shard zs: [N, V_shard] (teacher ids global)."""
+    shard = _shard_layout(zs.shape[1], zs.shape[1], zs.device, group)
+    return _VocabParallel.apply(_TopKLogitsShard(call, shard), group, None, zs, teacher_ids, teacher_logprobs, labels)
 
 
 def _dtensor_class():
@@ -432,10 +471,14 @@ def _dtensor_class():
     return getattr(module, "DTensor", None)
 
 
+def is_dtensor(t) -> bool:
+    DTensor = _dtensor_class()
+    return DTensor is not None and isinstance(t, DTensor)
+
+
 def _local(t):
     """A DTensor's local tensor (differentiable), anything else as it is."""
-    DTensor = _dtensor_class()
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _weight_layout(w: Tensor, name: str) -> str:

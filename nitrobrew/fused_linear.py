@@ -97,7 +97,9 @@ def _fused_linear_loss(
     if xs.dim() < 1 or xt.dim() < 1:
         raise ValueError(f"xs and xt must be [..., D] tensors, got shapes {tuple(xs.shape)} and {tuple(xt.shape)}")
     if ws.dim() != 2 or wt.dim() != 2:
-        raise ValueError(f"ws and wt must be [V, D] matrices, got shapes {tuple(ws.shape)} and {tuple(wt.shape)}")
+        hint = (" (an empty weight: a DeepSpeed ZeRO-3 parameter read outside its module's forward? "
+                "docs/distributed.md)" if ws.numel() == 0 or wt.numel() == 0 else "")
+        raise ValueError(f"ws and wt must be [V, D] matrices, got shapes {tuple(ws.shape)} and {tuple(wt.shape)}{hint}")
     if xs.shape[-1] == 0 or xt.shape[-1] == 0:
         raise ValueError(f"xs and xt must have a hidden size D >= 1 (their last dimension), got shapes "
                          f"{tuple(xs.shape)} and {tuple(xt.shape)}")

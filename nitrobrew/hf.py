@@ -23,7 +23,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks
+from nitrobrew import _checks, distributed
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.hf_attention import CapturedAttention, attention_distillation_loss, capture_attention
 
@@ -73,6 +73,11 @@ def unembedding(model) -> Unembedding:
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) whose weight nitrobrew "
                          f"can read; got {type(head).__name__}")
+    if distributed.is_dtensor(weight):
+        raise NotImplementedError(
+            f"{type(model).__name__}'s lm_head weight is a DTensor (FSDP2 or tensor parallelism): nitrobrew.hf does "
+            f"not take sharded models yet. Run the decoders and pass their last hidden states and the DTensor lm_head "
+            f"weights to nitrobrew.forward_kl / reverse_kl / jsd, which take them (docs/distributed.md)")
     if getattr(head, "lora_A", None) is not None or type(head).__name__.startswith("Lora"):
         raise ValueError("the lm_head itself is adapted (LoRA on the output embedding): nitrobrew reads the "
                          "lm_head's weight and would miss the adapter; keep lm_head out of target_modules")

@@ -111,7 +111,7 @@ forward_kl, reverse_kl, jsd = divergence_functions(_logits_loss, __name__, _ARGU
 
 def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
-            ignore_index: int = -100) -> Tensor:
+            ignore_index: int = -100, process_group=None) -> Tensor:
     """Forward KL against a teacher's top-K log-probabilities, from the student's logits zs: [..., V].
 
     teacher_ids: [..., K] int64, in [0, V), in any order; teacher_logprobs: [..., K] float, the teacher's
@@ -119,8 +119,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     sum_k q_k (log q_k - log p_{id_k}) with q_k = exp(teacher_logprobs_k).
     normalize="full": p is the student's softmax over the whole vocabulary and q_k is used as given (its
     sum may be < 1); "topk": both are renormalized over the K ids. The temperature divides the student's
-    logits only. Other options as in forward_kl; the gradient flows to zs only. Ids outside
-    [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
+    logits only. Other options as in forward_kl (process_group: zs is this rank's [..., V_shard] columns
+    and the teacher's ids stay global); the gradient flows to zs only. Ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
     synchronization; skipped while torch.compile traces or a CUDA graph captures, where the CUDA kernels stop
     with a device-side assertion instead).
     """
@@ -129,11 +129,18 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     if zs.dim() < 1 or zs.shape[-1] == 0:
         raise ValueError(f"zs must be [..., V] logits with V >= 1, got {tuple(zs.shape)}")
     vocab = zs.shape[-1]
+    if process_group is not None:
+        vocab = distributed.vocabulary_rows(vocab, zs.device, process_group)
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1], vocab, of="zs")
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
     flat_labels = labels.reshape(-1) if labels is not None else None
+    if process_group is not None:
+        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0)
+        loss = distributed.topk_logits_loss(zs.reshape(-1, zs.shape[-1]), teacher_ids.reshape(-1, k),
+                                            teacher_logprobs.reshape(-1, k), flat_labels, call, process_group)
+        return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)
     loss, _ = ops.topk_logits_fwd(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
                                   flat_labels, ignore_index, temperature, normalize == "topk")
     return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)

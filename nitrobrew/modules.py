@@ -15,7 +15,8 @@ class DistillationLoss(nn.Module):
     loss = DistillationLoss("jsd", beta=0.5, temperature=2.0)(xs, xt, ws, wt, labels)
 
     `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd"; the keyword
-    options are those of nitrobrew.forward_kl / reverse_kl / jsd (`beta` is used by "jsd" only).
+    options are those of nitrobrew.forward_kl / reverse_kl / jsd (`beta` is used by "jsd" only;
+    `process_group`: the group over which ws and wt are vocabulary shards, nitrobrew.distributed).
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class DistillationLoss(nn.Module):
         chunk_V: int | None = None,
         logit_scale_s: float = 1.0,
         logit_scale_t: float = 1.0,
+        process_group=None,
     ):
         super().__init__()
         if loss not in _LOSSES:
@@ -54,12 +56,13 @@ class DistillationLoss(nn.Module):
             softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,
             logit_scale_s=logit_scale_s, logit_scale_t=logit_scale_t,
         )
+        self.process_group = process_group
 
     def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None,
                 bias_s: Tensor | None = None, bias_t: Tensor | None = None) -> Tensor:
         beta = {"beta": self.beta} if self.loss == "jsd" else {}
         return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, bias_s=bias_s, bias_t=bias_t, **beta,
-                                                **self.options)
+                                                process_group=self.process_group, **self.options)
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

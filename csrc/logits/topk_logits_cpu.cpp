@@ -171,10 +171,14 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
       const acc_t coef = g[n] * inv_t;
       auto p_of = [&](int64_t v) { return exp_(log_prob(scale_logit(static_cast<acc_t>(zn[v]), inv_t), norms.student)); };
       if (p.renormalize) {
+        // p~ at an id from the forward's logit there (the statistics' column, as the CUDA kernel reads
+        // it): a vocabulary shard's backward gives another shard's ids a logit of -inf there.
+        const acc_t* gathered = row + kTopKLogitsColumn;
         std::fill(row_grad.begin(), row_grad.end(), acc_t(0));
         for (int64_t k = 0; k < p.k; ++k) {
           const acc_t q = lpn[k] == kNegInf<acc_t> ? acc_t(0) : exp_(teacher_log_prob(lpn[k], norms, p));
-          row_grad[idn[k]] += coef * (p_of(idn[k]) - q);
+          const acc_t p_k = exp_(log_prob(scale_logit(gathered[k], inv_t), norms.student));
+          row_grad[idn[k]] += coef * (p_k - q);
         }
       } else {
         const acc_t mass = exp_(norms.teacher.max + norms.teacher.log_sum);

@@ -352,16 +352,18 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
 }
 
 // ----------------------------------------------------------------------- backward -----
-// The id entry's value: the dense term (normalize="full") and every occurrence's q, added in the
-// order of the occurrences.
+// The id entry's value: the dense term (normalize="full", from the first occurrence's p) and every
+// occurrence's term, added in the order of the occurrences. "topk" takes each occurrence's own p_k:
+// the same for repeats of an id, but a vocabulary shard's backward puts the other shards' ids on one
+// row with a logit of -inf (p = 0), next to that row's own id (nitrobrew.distributed).
 struct IdEntry {
   double coef, mass, p;
   LogNormalizer<double> teacher;
   bool renormalize;
   __device__ __forceinline__ double start() const { return renormalize ? 0.0 : coef * mass * p; }
-  __device__ __forceinline__ double term(double lp) const {
+  __device__ __forceinline__ double term(double lp, double p_k) const {
     const double q = lp == kNegInf<double> ? 0.0 : exp(teacher_log_prob(lp, teacher, renormalize));
-    return renormalize ? coef * (p - q) : -coef * q;
+    return renormalize ? coef * (p_k - q) : -coef * q;
   }
 };
 
@@ -373,12 +375,16 @@ struct RowGrad {
   bool renormalize;
   LogProbs lps;
   int64_t lp0;
-  // The entry of the id at sorted keys [r, ...), its scaled logit s.
-  __device__ __forceinline__ double id_entry(const RowIds& ids, int r, double s) const {
-    const IdEntry e{coef, mass, exp(log_prob(s, student)), teacher, renormalize};
+  // The entry of the id at sorted keys [r, ...); s_at(j): the scaled logit of the occurrence at position j.
+  template <typename ScaledLogitAt>
+  __device__ __forceinline__ double id_entry(const RowIds& ids, int r, ScaledLogitAt s_at) const {
+    const IdEntry e{coef, mass, exp(log_prob(s_at(ids.position_at(r)), student)), teacher, renormalize};
     const uint32_t v = ids.id_at(r);
     double g = e.start();
-    for (int i = r; i < ids.k && ids.id_at(i) == v; ++i) g += e.term(lps[lp0 + ids.position_at(i)]);
+    for (int i = r; i < ids.k && ids.id_at(i) == v; ++i) {
+      const int j = ids.position_at(i);
+      g += e.term(lps[lp0 + j], exp(log_prob(s_at(j), student)));
+    }
     return g;
   }
 };
@@ -427,6 +433,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   const int64_t n = blockIdx.x;
   const double* row = stats + n * (kTopKLogitsColumn + a.k);
   const double* gathered = row + kTopKLogitsColumn;  // the forward's logits at the ids
+  const auto scaled_at = [&](int j) { return a.s(gathered[j]); };
   T* out = dzs + n * a.vocab;
   if (a.valid(n) && topk_row_undefined(row[kTopKTeacherMax], a.renormalize)) {  // uniform in the block
     for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(kNaN<double>);
@@ -444,7 +451,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   if (active && layout.slots > 0) ids = load_row_ids(a, n, id_smem, layout);
   if (ids.bits != nullptr) {  // the ids' entries, for the pass over the row to write
     for (int r = threadIdx.x; r < a.k; r += blockDim.x) {
-      if (ids.first_of_its_id(r)) ids.values[r] = grad.id_entry(ids, r, a.s(gathered[ids.position_at(r)]));
+      if (ids.first_of_its_id(r)) ids.values[r] = grad.id_entry(ids, r, scaled_at);
     }
     __syncthreads();
   }
@@ -459,7 +466,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   if (layout.slots > 0) {
     for (int r = threadIdx.x; r < a.k; r += blockDim.x) {
       if (!ids.first_of_its_id(r)) continue;
-      out[ids.id_at(r)] = from_acc<T>(grad.id_entry(ids, r, a.s(gathered[ids.position_at(r)])));
+      out[ids.id_at(r)] = from_acc<T>(grad.id_entry(ids, r, scaled_at));
     }
     return;
   }
@@ -472,7 +479,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
                     a.renormalize};
     double g = e.start();
     for (int64_t i = j; i < a.k; ++i) {
-      if (a.id(n, i) == v) g += e.term(a.lps[grad.lp0 + i]);
+      if (a.id(n, i) == v) g += e.term(a.lps[grad.lp0 + i], exp(log_prob(scaled_at(i), grad.student)));
     }
     out[v] = from_acc<T>(g);
   }

@@ -113,3 +113,23 @@ def fsdp2_tiny_llama(rank: int, world: int) -> None:
     _close(loss.detach(), expected.detach(), 1e-11, f"{what}: loss")
     for (name, p_usual), (_, p_fused) in zip(usual.named_parameters(), fused.named_parameters()):
         _close(p_fused.grad.to_local(), p_usual.grad.to_local(), 1e-10, f"{what}: {name}.grad")
+
+
+def hf_refuses_fsdp2(rank: int, world: int) -> None:
+    """nitrobrew.hf does not take a model whose lm_head is a DTensor yet: a clear error, not a wrong loss."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    student = transformers.AutoModelForCausalLM.from_config(config)
+    teacher = transformers.AutoModelForCausalLM.from_config(config)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(student.lm_head, mesh=mesh)
+    fully_shard(student, mesh=mesh)
+    try:
+        nitrobrew.hf.distillation_loss(student, teacher, torch.randint(0, 64, (1, 8)))
+    except NotImplementedError as error:
+        assert "DTensor" in str(error) and "forward_kl" in str(error), error
+    else:
+        raise AssertionError("no error")

@@ -28,3 +28,10 @@ def test_fsdp2_tiny_llama():
     import sharded_weight_cases as cases
 
     run_on_ranks(2, cases.fsdp2_tiny_llama)
+
+
+def test_hf_refuses_fsdp2_models_with_a_clear_error():
+    pytest.importorskip("transformers")
+    import sharded_weight_cases as cases
+
+    run_on_ranks(2, cases.hf_refuses_fsdp2)

@@ -34,3 +34,22 @@ def test_topk_linear(world):
 @pytest.mark.parametrize("world", [3])
 def test_topk_linear_float32(world):
     run_on_ranks(world, cases.topk_linear, "float32")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_topk_logits(world):
+    run_on_ranks(world, cases.topk_logits, "float64")
+
+
+def test_bad_input_raises_on_every_rank():
+    run_on_ranks(2, cases.errors)
+
+
+def test_a_process_group_needs_torch_distributed_initialized():
+    xs, xt, ws, wt, *_ = cases._inputs(cases.torch.float64)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cases.nitrobrew.forward_kl(xs, xt, ws, wt, process_group=object())
+
+
+def test_the_module_takes_a_process_group():
+    run_on_ranks(3, cases.module)

@@ -42,3 +42,8 @@ def test_logits(world, backend):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_topk_linear(world, backend, dtype):
     run_on_ranks(world, cases.topk_linear, dtype, backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+def test_topk_logits(world, backend):
+    run_on_ranks(world, cases.topk_logits, "bfloat16", backend=backend)

@@ -251,3 +251,74 @@ def topk_linear(rank: int, world: int, dtype_name: str) -> None:
         except Exception as error:
             failures.append(f"{what}: {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
+
+
+def topk_logits(rank: int, world: int, dtype_name: str) -> None:
+    """nitrobrew.logits.topk_kl over the ranks' columns of the student's logits."""
+    dtype, device = getattr(torch, dtype_name), _device()
+    rtol, gtol = _tolerances(dtype)
+    cols = _shard_rows(rank, world)
+    failures = []
+    for options in TOPK_CASES:
+        options = {k: v for k, v in options.items() if k not in ("bias", "logit_scale_s")}
+        g = torch.Generator().manual_seed(5)
+        zs = (torch.randn(21, V, generator=g, dtype=torch.float64) * 3).to(device=device, dtype=dtype)
+        ids, logprobs = (t.to(device) for t in _teacher(21, 6, seed=6))
+        logprobs = logprobs.to(dtype)
+        labels = torch.randint(0, V, (21,), generator=g).to(device)
+        labels[::4] = -100
+        labels = labels if options.pop("labels", False) else None
+        upstream = torch.randn(21, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        if options.get("reduction") != "none":
+            upstream = upstream[0]
+        what = f"rank {rank}/{world} {dtype_name} logits.topk_kl {options}"
+        try:
+            results = []
+            for z, extra in ((zs, {}), (zs[:, cols], {"process_group": dist.group.WORLD})):
+                leaf = z.clone().requires_grad_()
+                loss = nitrobrew.logits.topk_kl(leaf, ids, logprobs, labels=labels, **options, **extra)
+                results.append((loss.detach(), torch.autograd.grad(loss, leaf, upstream)[0]))
+            (whole, d_whole), (shard, d_shard) = results
+            _close(shard, whole, rtol, f"{what}: loss")
+            _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
+        except Exception as error:
+            failures.append(f"{what}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+def errors(rank: int, world: int) -> None:
+    """Bad input to the sharded losses: a clear error naming the argument, on every rank alike."""
+    xs, xt, ws, wt, _, _, labels, _ = _inputs(torch.float64)
+    rows = _shard_rows(rank, world)
+    group = dist.group.WORLD
+    cases = {
+        "ws and wt of different rows": (ValueError, "same vocabulary rows",
+                                        lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows][:-1] if rank == 0
+                                                                     else wt[rows], process_group=group)),
+        "vocab_size past the shards": (ValueError, "vocab_size must be at most",
+                                       lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows], vocab_size=V + 1,
+                                                                    process_group=group)),
+        "a label past vocab_size": (IndexError, "labels",
+                                    lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows], labels=labels + V,
+                                                                 ce_weight=1.0, process_group=group)),
+        "a teacher id past the vocabulary": (IndexError, "teacher_ids",
+                                             lambda: nitrobrew.topk_kl(xs, ws[rows], labels[:, None].clamp(min=0) + V,
+                                                                       torch.zeros(xs.shape[0], 1, dtype=xs.dtype),
+                                                                       process_group=group)),
+    }
+    for name, (kind, message, fn) in cases.items():
+        try:
+            fn()
+        except kind as error:
+            assert message in str(error), f"{name}: {error}"
+        else:
+            raise AssertionError(f"{name}: no error")
+
+
+def module(rank: int, world: int) -> None:
+    """DistillationLoss(process_group=) is the function's loss."""
+    xs, xt, ws, wt, _, _, labels, _ = _inputs(torch.float64)
+    rows = _shard_rows(rank, world)
+    loss = nitrobrew.DistillationLoss("jsd", beta=0.4, temperature=1.5, process_group=dist.group.WORLD)
+    _close(loss(xs, xt, ws[rows], wt[rows], labels),
+           nitrobrew.jsd(xs, xt, ws, wt, beta=0.4, temperature=1.5, labels=labels), 1e-12, f"rank {rank}: module")

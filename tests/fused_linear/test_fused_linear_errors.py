@@ -178,3 +178,9 @@ def test_meta_tensors_go_through_the_fake_kernels():
     assert nitrobrew.logits.topk_kl(zs, ids, lps).device.type == "meta"
     q, k = torch.empty(2, 9, 4, 16, **meta), torch.empty(2, 11, 2, 16, **meta)
     assert nitrobrew.attention_kl(q, k, q, k, causal=True, reduction="none").shape == (2, 4, 9)
+
+
+def test_an_empty_weight_points_at_zero3():
+    xs, xt, ws, wt, _ = make_problem(n=4, v=10)
+    with pytest.raises(ValueError, match="ZeRO-3"):  # a partitioned ZeRO-3 parameter's placeholder
+        nitrobrew.forward_kl(xs, xt, torch.empty(0), wt)
