@@ -124,9 +124,10 @@ def same_device(tensors: dict) -> None:
 TOPK_NORMALIZATIONS = ("full", "topk")
 
 
-def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Size, vocab: int, of: str) -> None:
+def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Size, vocab: int | None, of: str) -> None:
     """The top-K teacher's [..., K] ids (int64) and log-probabilities (floating, same shape, leading shape
-    of `of`), 1 <= K <= vocab, and a known normalization."""
+    of `of`), 1 <= K <= vocab, and a known normalization. vocab None (a sharded vocabulary): K >= 1, and
+    the ids' range is checked where the whole vocabulary is known (nitrobrew.distributed)."""
     tensor(teacher_ids, "teacher_ids")
     tensor(teacher_logprobs, "teacher_logprobs")
     if teacher_ids.dtype != torch.int64:
@@ -139,9 +140,10 @@ def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Siz
         raise ValueError(f"teacher_ids and teacher_logprobs must both be [..., K] with {of}'s leading shape "
                          f"{tuple(lead_shape)}, got {tuple(teacher_ids.shape)} and {tuple(teacher_logprobs.shape)}")
     k = teacher_ids.shape[-1]
-    if not 1 <= k <= vocab:
+    if not 1 <= k <= (vocab if vocab is not None else max(k, 1)):
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
-    ids_in_range(teacher_ids, vocab, "teacher_ids")
+    if vocab is not None:
+        ids_in_range(teacher_ids, vocab, "teacher_ids")
 
 
 def host_checks_possible(t: Tensor) -> bool:

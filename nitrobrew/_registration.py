@@ -29,28 +29,31 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
-    """Saves the first n_tensors inputs and the row statistics; the remaining inputs are options.
-
-    Tensors made under torch.inference_mode (a teacher's logits or hidden states, typically) cannot go
-    through save_for_backward; they are held on ctx as they are instead of being copied (for logits
-    that copy would be [N x V]). They cannot be modified in place outside inference mode, so there is
-    no version to check. (torch.compile cannot ask is_inference(); Dynamo treats such inputs itself.)"""
-    _, row_stats = output
-    tensors = (*inputs[:n_tensors], row_stats)
+def save_tensors(ctx, tensors) -> None:
+    """ctx.save_for_backward of `tensors` (None allowed), but for tensors made under torch.inference_mode
+    (a teacher's logits or hidden states, typically), which cannot go through it: they are held on ctx
+    as they are instead of being copied (for logits that copy would be [N x V]). They cannot be
+    modified in place outside inference mode, so there is no version to check. (torch.compile cannot
+    ask is_inference(); Dynamo treats such inputs itself.)"""
     held = {}
     if not torch.compiler.is_compiling():
         held = {i: t for i, t in enumerate(tensors) if isinstance(t, Tensor) and t.is_inference()}
     ctx.save_for_backward(*(None if i in held else t for i, t in enumerate(tensors)))
     ctx.held_inference_tensors = held
-    ctx.options = inputs[n_tensors:]
-    ctx.mark_non_differentiable(row_stats)
 
 
-def _saved(ctx) -> tuple:
-    """The tensors _save_for_recompute saved, in their order."""
+def saved_tensors(ctx) -> tuple:
+    """The tensors save_tensors saved, in their order."""
     held = ctx.held_inference_tensors
     return tuple(held.get(i, t) for i, t in enumerate(ctx.saved_tensors))
+
+
+def _save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
+    """Saves the first n_tensors inputs and the row statistics; the remaining inputs are options."""
+    _, row_stats = output
+    save_tensors(ctx, (*inputs[:n_tensors], row_stats))
+    ctx.options = inputs[n_tensors:]
+    ctx.mark_non_differentiable(row_stats)
 
 
 def register_recompute_op(
@@ -95,7 +98,7 @@ def register_recompute_op(
         if torch.is_grad_enabled():
             raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
                                "(create_graph=True) is not implemented")
-        *tensors, row_stats = _saved(ctx)
+        *tensors, row_stats = saved_tensors(ctx)
         n_inputs = len(ctx.needs_input_grad)
         needs = tuple(ctx.needs_input_grad[i] for i in differentiable)
         if not any(needs):

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from nitrobrew import _checks
-from nitrobrew._registration import ops, stats_dtype
+from nitrobrew._registration import ops, save_tensors, saved_tensors, stats_dtype
 
 # Columns of a shard's unfinished row states (PartialField in csrc/divergence/row_partial.h).
 NUM_PARTIAL_FIELDS = 8
@@ -96,11 +96,20 @@ def _dist():
 
 
 def _all_gather(t: Tensor, group) -> Tensor:
-    """[R, *t.shape]: every rank's t, in rank order."""
+    """[R, *t.shape]: every rank's t, in rank order, gathered into one buffer."""
     dist = _dist()
-    parts = [t.new_empty(t.shape) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.stack(parts)
+    world = dist.get_world_size(group)
+    t = t.contiguous()
+    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name since torch 2.13
+    gather(out, t, group=group)
+    return out.view(world, *t.shape)
+
+
+def _reduce_scatter(out: Tensor, d: Tensor, group) -> None:
+    dist = _dist()
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, d, group=group)
 
 
 @dataclass(frozen=True)
@@ -201,11 +210,12 @@ class _ShardLoss:
     summed_grads: tuple = ()
     shard_grads: tuple = ()
 
-    def forward(self, inputs: tuple) -> Tensor:
-        """The loss [N] of every token; keeps what backward needs on self (one instance per call)."""
+    def forward(self, inputs: tuple) -> tuple[Tensor, tuple]:
+        """(the loss [N] of every token, the tensors backward needs). Checks that depend on the inputs'
+        values run here, on inputs every rank holds alike, so that every rank raises alike."""
         raise NotImplementedError
 
-    def backward(self, grad_loss: Tensor, needs: tuple) -> tuple:
+    def backward(self, saved: tuple, grad_loss: Tensor, needs: tuple) -> tuple:
         """A gradient (or None) per input, this shard's terms only."""
         raise NotImplementedError
 
@@ -217,14 +227,16 @@ class _VocabParallel(torch.autograd.Function):
     returns every token's loss and the hidden states' whole gradient. Otherwise each rank holds its own
     tokens (data parallelism; tokens_per_rank: every rank's count): they are all-gathered, each rank
     gets its own tokens' losses and gradient back (a reduce-scatter), and the shard's weight gradients
-    are the ranks' average, as FSDP2 reduce-scatters them."""
+    are the ranks' average, as FSDP2 reduce-scatters them. Every rank must run the forward and the
+    backward: both hold collectives."""
 
     @staticmethod
     def forward(ctx, shard_loss: _ShardLoss, group, tokens_per_rank, *inputs):
         if tokens_per_rank is not None:
             inputs = tuple(_gather_tokens(t, tokens_per_rank, group) if i in shard_loss.token_inputs and t is not None
                            else t for i, t in enumerate(inputs))
-        loss = shard_loss.forward(inputs)
+        loss, saved = shard_loss.forward(inputs)
+        save_tensors(ctx, saved)
         ctx.shard_loss, ctx.group, ctx.tokens_per_rank = shard_loss, group, tokens_per_rank
         if tokens_per_rank is not None:
             rank = _dist().get_rank(group)
@@ -238,7 +250,7 @@ class _VocabParallel(torch.autograd.Function):
         if tokens_per_rank is not None:  # every rank's tokens' upstream gradients
             grad_loss = _gather_tokens(grad_loss, tokens_per_rank, group)
         needs = ctx.needs_input_grad[3:]
-        grads = list(shard_loss.backward(grad_loss.contiguous(), needs))
+        grads = list(shard_loss.backward(saved_tensors(ctx), grad_loss.contiguous(), needs))
         for i in shard_loss.summed_grads:
             if needs[i]:
                 grads[i] = _sum_tokens(grads[i], tokens_per_rank, group)
@@ -250,8 +262,11 @@ class _VocabParallel(torch.autograd.Function):
 
 
 def _gather_tokens(t: Tensor, tokens_per_rank, group) -> Tensor:
-    """Every rank's rows of t ([tokens_per_rank[rank], ...]) concatenated in rank order."""
+    """Every rank's rows of t ([tokens_per_rank[rank], ...]) concatenated in rank order: the gathered
+    buffer itself where every rank holds as many tokens, else padded and compacted."""
     longest = max(tokens_per_rank)
+    if min(tokens_per_rank) == longest:
+        return _all_gather(t, group).flatten(0, 1)
     padded = t.new_zeros((longest, *t.shape[1:]))
     padded[: t.shape[0]] = t
     parts = _all_gather(padded, group)
@@ -260,24 +275,31 @@ def _gather_tokens(t: Tensor, tokens_per_rank, group) -> Tensor:
 
 def _sum_tokens(d: Tensor, tokens_per_rank, group) -> Tensor:
     """The shards' terms of d summed: all of d on every rank (tokens_per_rank None), or this rank's
-    own tokens' rows (a reduce-scatter)."""
-    dist = _dist()
+    own tokens' rows (a reduce-scatter; padded where the ranks' token counts differ)."""
     if tokens_per_rank is None:
-        dist.all_reduce(d, group=group)
+        _dist().all_reduce(d, group=group)
         return d
     longest = max(tokens_per_rank)
-    padded = d.new_zeros((len(tokens_per_rank), longest, *d.shape[1:]))
-    begin = 0
-    for r, count in enumerate(tokens_per_rank):
-        padded[r, :count] = d[begin: begin + count]
-        begin += count
+    if min(tokens_per_rank) < longest:
+        padded = d.new_zeros((len(tokens_per_rank), longest, *d.shape[1:]))
+        begin = 0
+        for r, count in enumerate(tokens_per_rank):
+            padded[r, :count] = d[begin: begin + count]
+            begin += count
+        d = padded.flatten(0, 1)
     out = d.new_empty((longest, *d.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded.reshape(-1, *d.shape[1:]), group=group)
-    return out[: tokens_per_rank[dist.get_rank(group)]]
+    _reduce_scatter(out, d.contiguous(), group)
+    return out[: tokens_per_rank[_dist().get_rank(group)]]
 
 
 def _tokens_per_rank(n: int, device, group) -> tuple:
     return tuple(int(c) for c in _all_gather(torch.tensor([n], dtype=torch.int64, device=device), group).flatten())
+
+
+def _empty_partials(x: Tensor) -> Tensor:
+    """The unfinished row states of a shard that holds no vocabulary entry."""
+    empty = torch.tensor(_EMPTY_PARTIAL, dtype=stats_dtype(x.dtype), device=x.device)
+    return empty.expand(x.shape[0], NUM_PARTIAL_FIELDS).contiguous()
 
 
 class _FusedLinearShard(_ShardLoss):
@@ -293,23 +315,21 @@ class _FusedLinearShard(_ShardLoss):
     def forward(self, inputs):
         xs, xt, ws, wt, bias_s, bias_t, labels = inputs
         call, real = self.call, self.real
+        if call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label
+            _checks.ids_in_range(labels, self.vocab_size, "labels", call.ignore_index)
         local = _local_labels(labels, self.shard, real, call.ignore_index)
 
         def shard_forward(row_stats):
-            if real == 0:  # a shard wholly in the padding holds nothing
-                if row_stats is not None:
-                    return xs.new_zeros((xs.shape[0], 2), dtype=torch.float64)
-                empty = torch.tensor(_EMPTY_PARTIAL, dtype=stats_dtype(xs.dtype), device=xs.device)
-                return empty.expand(xs.shape[0], NUM_PARTIAL_FIELDS).contiguous()
+            if real == 0:  # a shard wholly in the padding (or of no rows) holds nothing
+                return _empty_partials(xs) if row_stats is None else xs.new_zeros((xs.shape[0], 2), dtype=torch.float64)
             return ops.fused_linear_shard(xs, xt, ws, wt, local, bias_s, bias_t, row_stats, *call.op_options(real))
 
         loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, self.vocab_size,
                                        self.shard.group)
-        self.saved = (xs, xt, ws, wt, bias_s, bias_t, local, row_stats)
-        return loss
+        return loss, (xs, xt, ws, wt, bias_s, bias_t, local, row_stats)
 
-    def backward(self, grad_loss, needs):
-        xs, xt, ws, wt, bias_s, bias_t, local, row_stats = self.saved
+    def backward(self, saved, grad_loss, needs):
+        xs, xt, ws, wt, bias_s, bias_t, local, row_stats = saved
         need_dxs, need_dws, need_dbias = needs[0], needs[2], needs[4] and bias_s is not None
         if self.real == 0:
             dxs, dws = torch.zeros_like(xs), torch.zeros_like(ws)
@@ -325,25 +345,28 @@ class _LogitsShard(_ShardLoss):
 
     token_inputs, shard_grads = (0, 1, 2), (0,)
 
-    def __init__(self, call: FusedLinearCall, group):
-        self.call, self.group = call, group
+    def __init__(self, call: FusedLinearCall, shard: _Shard):
+        self.call, self.shard = call, shard
 
     def forward(self, inputs):
         zs, zt, labels = inputs
         call = self.call
 
         def shard_forward(row_stats):
+            if zs.shape[1] == 0:
+                return _empty_partials(zs) if row_stats is None else zs.new_zeros((zs.shape[0], 2), dtype=torch.float64)
             return ops.logits_shard(zs, zt, labels, row_stats, call.ignore_index, call.divergence, call.beta,
                                     call.temperature)
 
-        vocab_size = int(_all_gather(torch.tensor([zs.shape[1]], device=zs.device), self.group).sum())
-        loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, vocab_size, self.group)
-        self.saved = (zs, zt, labels, row_stats)
-        return loss
+        loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, self.shard.total,
+                                       self.shard.group)
+        return loss, (zs, zt, labels, row_stats)
 
-    def backward(self, grad_loss, needs):
-        zs, zt, labels, row_stats = self.saved
+    def backward(self, saved, grad_loss, needs):
+        zs, zt, labels, row_stats = saved
         call = self.call
+        if zs.shape[1] == 0:
+            return torch.zeros_like(zs), None, None
         dzs = ops.logits_bwd(grad_loss, zs, zt, labels, row_stats, call.ignore_index, call.divergence, call.beta,
                              call.temperature)
         return dzs, None, None
@@ -361,13 +384,21 @@ class _TopKShard(_ShardLoss):
 
     def _local_teacher(self, ids, logprobs):
         shard = self.shard
+        if ids.shape[-1] > shard.total:
+            raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {shard.total}], got "
+                             f"{ids.shape[-1]}")
+        _checks.ids_in_range(ids, shard.total, "teacher_ids")
         held = (ids >= shard.start) & (ids < shard.start + shard.rows)
         return (held, torch.where(held, ids - shard.start, torch.zeros_like(ids)),
                 torch.where(held, logprobs, torch.full_like(logprobs, float("-inf"))))
 
     def _merged(self, local_stats, held, logprobs, labels, float64_logits):
-        """(loss, the statistics this shard's backward reads)."""
+        """(loss, the statistics this shard's backward reads). local_stats None: a shard of no rows."""
         call = self.call
+        n, k = logprobs.shape
+        if local_stats is None:
+            local_stats = logprobs.new_zeros((n, NUM_TOPK_ROW_STATS + k), dtype=torch.float64)
+            local_stats[:, 0] = float("-inf")  # an empty softmax state
         z = local_stats[:, NUM_TOPK_ROW_STATS:]
         part = torch.cat([local_stats[:, :2], torch.where(held, z, torch.zeros_like(z))], 1)
         loss, row_stats = ops.topk_merge_shards(_all_gather(part, self.shard.group), logprobs, labels,
@@ -389,16 +420,20 @@ class _TopKLinearShard(_TopKShard):
         xs, ws, bias_s, ids, logprobs, labels = inputs
         call = self.call
         held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
-        options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
-        _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *options)
+        self.options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
+        local_stats = None
+        if ws.shape[0] > 0:
+            _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *self.options)
         loss, row_stats = self._merged(local_stats, held, logprobs, labels, xs.dtype == torch.float64)
-        self.saved = (xs, ws, bias_s, local_ids, local_logprobs, labels, row_stats, options)
-        return loss
+        return loss, (xs, ws, bias_s, local_ids, local_logprobs, labels, row_stats)
 
-    def backward(self, grad_loss, needs):
-        xs, ws, bias_s, ids, logprobs, labels, row_stats, options = self.saved
-        dxs, dws, dbias = ops.topk_linear_bwd(grad_loss, xs, ws, ids, logprobs, labels, bias_s, row_stats, *options,
-                                              needs[0], needs[1], needs[2] and bias_s is not None)
+    def backward(self, saved, grad_loss, needs):
+        xs, ws, bias_s, ids, logprobs, labels, row_stats = saved
+        if ws.shape[0] == 0:
+            return (torch.zeros_like(xs), torch.zeros_like(ws), None if bias_s is None else torch.zeros_like(bias_s),
+                    None, None, None)
+        dxs, dws, dbias = ops.topk_linear_bwd(grad_loss, xs, ws, ids, logprobs, labels, bias_s, row_stats,
+                                              *self.options, needs[0], needs[1], needs[2] and bias_s is not None)
         return dxs, dws, dbias, None, None, None
 
 
@@ -410,58 +445,70 @@ class _TopKLogitsShard(_TopKShard):
     def forward(self, inputs):
         zs, ids, logprobs, labels = inputs
         held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
-        options = (self.call.ignore_index, self.call.temperature, self.call.renormalize)
-        _, local_stats = ops.topk_logits_fwd(zs, local_ids, local_logprobs, labels, *options)
+        self.options = (self.call.ignore_index, self.call.temperature, self.call.renormalize)
+        local_stats = None
+        if zs.shape[1] > 0:
+            _, local_stats = ops.topk_logits_fwd(zs, local_ids, local_logprobs, labels, *self.options)
         loss, row_stats = self._merged(local_stats, held, logprobs, labels, zs.dtype == torch.float64)
-        self.saved = (zs, local_ids, local_logprobs, labels, row_stats, options)
-        return loss
+        return loss, (zs, local_ids, local_logprobs, labels, row_stats)
 
-    def backward(self, grad_loss, needs):
-        zs, ids, logprobs, labels, row_stats, options = self.saved
-        return ops.topk_logits_bwd(grad_loss, zs, ids, logprobs, labels, row_stats, *options), None, None, None
+    def backward(self, saved, grad_loss, needs):
+        zs, ids, logprobs, labels, row_stats = saved
+        if zs.shape[1] == 0:
+            return torch.zeros_like(zs), None, None, None
+        return ops.topk_logits_bwd(grad_loss, zs, ids, logprobs, labels, row_stats, *self.options), None, None, None
 
 
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
 def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None,
                       bias_s: Tensor | None, bias_t: Tensor | None, call: FusedLinearCall, group,
-                      tokens_sharded: bool = False) -> Tensor:
+                      tokens_sharded: bool = False, teacher_whole: bool = False) -> Tensor:
     """Per-token losses [N] of 2-D xs, xt over the vocabulary shards ws, wt of `group`'s ranks
-    (fused_linear.py has validated the rest). tokens_sharded: xs holds this rank's tokens alone."""
-    shard = _shard_layout(ws.shape[0], wt.shape[0], xs.device, group)
+    (fused_linear.py has validated the rest). tokens_sharded: xs holds this rank's tokens alone.
+    teacher_whole: wt (and bias_t) is the teacher's whole lm_head, of which this rank takes ws's rows."""
+    shard = _shard_layout(ws.shape[0], ws.shape[0] if teacher_whole else wt.shape[0], xs.device, group)
+    if teacher_whole:
+        if wt.shape[0] < shard.total:
+            raise ValueError(f"wt, the teacher's whole lm_head, has {wt.shape[0]} rows, fewer than the student's "
+                             f"sharded {shard.total}")
+        wt = wt[shard.start: shard.start + shard.rows]
+        bias_t = None if bias_t is None else bias_t[shard.start: shard.start + shard.rows]
     if call.vocab_size is not None and call.vocab_size > shard.total:
         raise ValueError(f"vocab_size must be at most the rows of the whole (sharded) vocabulary, {shard.total}, got "
                          f"{call.vocab_size}")
-    if call.ce_weight > 0:
-        _checks.ids_in_range(labels, call.vocab_size or shard.total, "labels", call.ignore_index)
     tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
     return _VocabParallel.apply(_FusedLinearShard(call, shard), group, tokens_per_rank,
                                 xs, xt, ws, wt, bias_s, bias_t, labels)
 
 
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
 def logits_loss(zs: Tensor, zt: Tensor, labels: Tensor | None, call: FusedLinearCall, group) -> Tensor:
     """Per-row losses [N] of the logits' vocabulary shards zs, zt: [N, V_shard] (logits.py has validated them)."""
-    return _VocabParallel.apply(_LogitsShard(call, group), group, None, zs, zt, labels)
+    shard = _shard_layout(zs.shape[1], zt.shape[1], zs.device, group)
+    return _VocabParallel.apply(_LogitsShard(call, shard), group, None, zs, zt, labels)
 
 
-def vocabulary_rows(rows: int, device, group) -> int:
-    """The whole vocabulary's rows, from each rank's shard of `rows`."""
-    return _shard_layout(rows, rows, device, group).total
-
-
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
 def topk_loss(xs: Tensor, ws: Tensor, bias_s: Tensor | None, teacher_ids: Tensor, teacher_logprobs: Tensor,
               labels: Tensor | None, call: TopKCall, group, tokens_sharded: bool = False) -> Tensor:
     """Per-token top-K losses [N] of 2-D xs over the vocabulary shards ws of `group`'s ranks (teacher ids
-    global; topk_linear.py has validated the rest)."""
+    global: their range is checked here, on the ids every rank holds alike)."""
     shard = _shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
     tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
     return _VocabParallel.apply(_TopKLinearShard(call, shard), group, tokens_per_rank,
                                 xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)
 
 
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
 def topk_logits_loss(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Tensor | None,
                      call: TopKCall, group) -> Tensor:
     """Per-row top-K losses [N] of the logits' vocabulary shard zs: [N, V_shard] (teacher ids global)."""
     shard = _shard_layout(zs.shape[1], zs.shape[1], zs.device, group)
     return _VocabParallel.apply(_TopKLogitsShard(call, shard), group, None, zs, teacher_ids, teacher_logprobs, labels)
+
+
+def _replicate_class():
+    return sys.modules["torch.distributed.tensor"].Replicate
 
 
 def _dtensor_class():
@@ -486,8 +533,9 @@ def _weight_layout(w: Tensor, name: str) -> str:
     from torch.distributed.tensor import Replicate, Shard
 
     if w.device_mesh.ndim != 1:
-        raise ValueError(f"{name} must be a DTensor over a 1-D device mesh, got a {w.device_mesh.ndim}-D mesh: pass "
-                         f"the local shards with process_group= instead")
+        raise ValueError(f"{name} must be a DTensor over a 1-D device mesh, got a {w.device_mesh.ndim}-D mesh (HSDP, or "
+                         f"FSDP2 with tensor parallelism) which nitrobrew does not take yet. process_group= with the "
+                         f"local shards is right only where every rank of the group holds the same tokens")
     placement = w.placements[0]
     if isinstance(placement, Shard) and placement.dim == 0:
         return "shard"
@@ -498,10 +546,9 @@ def _weight_layout(w: Tensor, name: str) -> str:
 
 
 def sharded_weights(xs, xt, ws, wt, bias_s, bias_t):
-    """DTensor weights as local tensors (wt, xt, bias_t None for the student-only top-K loss): None when
-    neither ws nor wt is a DTensor, else
-    ((xs, xt, ws, wt, bias_s, bias_t) as local tensors, the mesh's group (None for whole weights),
-    whether xs holds this rank's tokens alone). Raises for the layouts it does not support."""
+    """DTensor weights as local tensors (wt, xt, bias_t None for the student-only top-K loss), without
+    communicating: None when neither ws nor wt is a DTensor, else a ShardedWeights. Raises for the
+    layouts it does not support."""
     DTensor = _dtensor_class()
     if DTensor is None or not (isinstance(ws, DTensor) or isinstance(wt, DTensor)):
         return None
@@ -511,27 +558,25 @@ def sharded_weights(xs, xt, ws, wt, bias_s, bias_t):
     layout_t = _weight_layout(wt, "wt") if isinstance(wt, DTensor) else "whole"
     if isinstance(wt, DTensor) and wt.device_mesh != ws.device_mesh:
         raise ValueError("ws and wt must be DTensors over one device mesh")
+    local = tuple(_local(t) for t in (xs, xt, ws, wt, bias_s, bias_t))
     if layout_s == "replicate":  # whole weights on every rank: the single-device loss
         if layout_t == "shard":
             raise ValueError("ws is replicated but wt is sharded: shard both lm_heads on dim 0, or neither")
-        return tuple(_local(t) for t in (xs, xt, ws, wt, bias_s, bias_t)), None, False
-    group = ws.device_mesh.get_group()
-    ws_local, wt_local, bias_t = ws.to_local(), _local(wt), _local(bias_t)
-    if layout_t != "shard" and wt_local is not None:  # a whole teacher lm_head: the rows of ws's shard
-        start = _shard_start(ws_local.shape[0], ws_local.device, group)
-        wt_local = wt_local[start: start + ws_local.shape[0]]
-        bias_t = bias_t[start: start + ws_local.shape[0]] if bias_t is not None else None
+        return ShardedWeights(local, None, False, False)
     tokens_sharded = not isinstance(xs, DTensor)
-    if not tokens_sharded:
-        from torch.distributed.tensor import Replicate
-
-        if not all(isinstance(p, Replicate) for p in xs.placements):
-            raise ValueError(f"xs must be a plain tensor (each rank's own tokens, as under FSDP2) or a DTensor "
-                             f"replicated over the mesh (tensor parallelism), got placements {tuple(xs.placements)}")
-    return (_local(xs), _local(xt), ws_local, wt_local, _local(bias_s), bias_t), group, tokens_sharded
+    if not tokens_sharded and not all(isinstance(p, _replicate_class()) for p in xs.placements):
+        raise ValueError(f"xs must be a plain tensor (each rank's own tokens, as under FSDP2) or a DTensor "
+                         f"replicated over the mesh (tensor parallelism), got placements {tuple(xs.placements)}")
+    return ShardedWeights(local, ws.device_mesh.get_group(), tokens_sharded, wt is not None and layout_t != "shard")
 
 
-def _shard_start(rows: int, device, group) -> int:
-    """Where this rank's shard of `rows` rows starts in the whole vocabulary."""
-    counts = _all_gather(torch.tensor([rows], dtype=torch.int64, device=device), group).flatten().tolist()
-    return sum(counts[: _dist().get_rank(group)])
+@dataclass(frozen=True)
+class ShardedWeights:
+    """What sharded_weights found: the arguments (xs, xt, ws, wt, bias_s, bias_t) as local tensors, the
+    mesh's group (None: whole weights), whether xs holds this rank's tokens alone (FSDP2), and whether
+    wt is the teacher's whole lm_head (this rank then takes ws's rows of it, fused_linear_loss)."""
+
+    tensors: tuple
+    group: object
+    tokens_sharded: bool
+    teacher_whole: bool

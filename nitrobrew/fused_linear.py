@@ -103,7 +103,15 @@ def _fused_linear_loss(
     if xs.shape[-1] == 0 or xt.shape[-1] == 0:
         raise ValueError(f"xs and xt must have a hidden size D >= 1 (their last dimension), got shapes "
                          f"{tuple(xs.shape)} and {tuple(xt.shape)}")
-    if ws.shape[0] == 0 or wt.shape[0] == 0:
+    sharded = distributed.sharded_weights(xs, xt, ws, wt, bias_s, bias_t)
+    tokens_sharded = teacher_whole = False
+    if sharded is not None:  # DTensor weights: their local shards, over their mesh's group
+        if process_group is not None:
+            raise ValueError("ws and wt are DTensors: pass them without process_group (their mesh's group is used)")
+        (xs, xt, ws, wt, bias_s, bias_t), process_group = sharded.tensors, sharded.group
+        tokens_sharded, teacher_whole = sharded.tokens_sharded, sharded.teacher_whole
+    # A shard may hold no rows (a DTensor's torch.chunk layout over more ranks than rows).
+    if (ws.shape[0] == 0 or wt.shape[0] == 0) and process_group is None:
         raise ValueError(f"ws and wt must hold at least one vocabulary row each, got shapes {tuple(ws.shape)} and "
                          f"{tuple(wt.shape)}")
     lead_shape = xs.shape[:-1]
@@ -116,11 +124,6 @@ def _fused_linear_loss(
     if wt.shape[1] != xt.shape[-1]:
         raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
-    sharded = distributed.sharded_weights(xs, xt, ws, wt, bias_s, bias_t) if process_group is None else None
-    tokens_sharded = False
-    if sharded is not None:  # DTensor weights: their local shards, over their mesh's group
-        (xs, xt, ws, wt, bias_s, bias_t), process_group, tokens_sharded = sharded
-        lead_shape = xs.shape[:-1]
     xs, xt, ws, wt = _checks.autocast_inputs(xs, xt, ws, wt)
     if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:
         mismatch = "xs and ws" if ws.dtype != xs.dtype else "xt and wt" if wt.dtype != xt.dtype else "student and teacher"
@@ -151,7 +154,8 @@ def _fused_linear_loss(
             divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
             _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
         loss = distributed.fused_linear_loss(xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt,
-                                             flat_labels, bias_s, bias_t, call, process_group, tokens_sharded)
+                                             flat_labels, bias_s, bias_t, call, process_group, tokens_sharded,
+                                             teacher_whole)
         return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label

@@ -66,7 +66,8 @@ def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, 
     for name, value in (("zs", zs), ("zt", zt)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
-    if zs.dim() < 1 or zs.shape != zt.shape or zs.shape[-1] == 0:
+    # A vocabulary shard may hold no columns (process_group=).
+    if zs.dim() < 1 or zs.shape != zt.shape or (zs.shape[-1] == 0 and process_group is None):
         raise ValueError(f"zs and zt must be [..., V] logits of one shape (V >= 1), got {tuple(zs.shape)} and "
                          f"{tuple(zt.shape)}")
     if zs.dtype != zt.dtype:
@@ -80,7 +81,9 @@ def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, 
     if process_group is not None:  # each rank holds a shard of the vocabulary: [..., V_shard]
         call = distributed.FusedLinearCall(divergence, beta, temperature, 0.0, None, None, 1.0, 1.0, ignore_index,
                                            None, 0)
-        loss = distributed.logits_loss(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, call, process_group)
+        rows = lead_shape.numel()  # not -1: a shard may hold no columns
+        loss = distributed.logits_loss(zs.reshape(rows, vocab), zt.reshape(rows, vocab), flat_labels, call,
+                                       process_group)
         return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     loss, _ = ops.logits_fwd(zs.reshape(-1, vocab), zt.reshape(-1, vocab), flat_labels, ignore_index, divergence, beta,
                              temperature)
@@ -126,19 +129,18 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")
-    if zs.dim() < 1 or zs.shape[-1] == 0:
+    if zs.dim() < 1 or (zs.shape[-1] == 0 and process_group is None):
         raise ValueError(f"zs must be [..., V] logits with V >= 1, got {tuple(zs.shape)}")
     vocab = zs.shape[-1]
-    if process_group is not None:
-        vocab = distributed.vocabulary_rows(vocab, zs.device, process_group)
-    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1], vocab, of="zs")
+    _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1],
+                         vocab if process_group is None else None, of="zs")  # sharded: checked over all shards
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0)
-        loss = distributed.topk_logits_loss(zs.reshape(-1, zs.shape[-1]), teacher_ids.reshape(-1, k),
+        loss = distributed.topk_logits_loss(zs.reshape(zs.shape[:-1].numel(), vocab), teacher_ids.reshape(-1, k),
                                             teacher_logprobs.reshape(-1, k), flat_labels, call, process_group)
         return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)
     loss, _ = ops.topk_logits_fwd(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),

@@ -71,15 +71,19 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     for name, value in (("xs", xs), ("ws", ws)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
-    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] == 0 or xs.shape[-1] == 0:
-        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1 and D >= 1, got {tuple(xs.shape)} and "
-                         f"{tuple(ws.shape)}")
-    sharded = distributed.sharded_weights(xs, None, ws, None, bias_s, None) if process_group is None else None
+    sharded = distributed.sharded_weights(xs, None, ws, None, bias_s, None)
     tokens_sharded = False
     if sharded is not None:  # a DTensor ws: its local shard, over its mesh's group
-        (xs, _, ws, _, bias_s, _), process_group, tokens_sharded = sharded
+        if process_group is not None:
+            raise ValueError("ws is a DTensor: pass it without process_group (its mesh's group is used)")
+        (xs, _, ws, _, bias_s, _), process_group, tokens_sharded = sharded.tensors, sharded.group, sharded.tokens_sharded
+    # A shard may hold no rows (a DTensor's torch.chunk layout over more ranks than rows).
+    min_rows = 1 if process_group is None else 0
+    if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] < min_rows or xs.shape[-1] == 0:
+        raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1 and D >= 1, got {tuple(xs.shape)} and "
+                         f"{tuple(ws.shape)}")
     lead_shape = xs.shape[:-1]
-    vocab = ws.shape[0] if process_group is None else distributed.vocabulary_rows(ws.shape[0], ws.device, process_group)
+    vocab = ws.shape[0] if process_group is None else None  # sharded: checked over the whole vocabulary
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, vocab, of="xs")
     _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     xs, ws = _checks.autocast_inputs(xs, ws)

@@ -133,3 +133,33 @@ def hf_refuses_fsdp2(rank: int, world: int) -> None:
         assert "DTensor" in str(error) and "forward_kl" in str(error), error
     else:
         raise AssertionError("no error")
+
+
+def fsdp2_bad_batch_is_skipped(rank: int, world: int) -> None:
+    """In data parallelism each rank's labels differ: a bad label on one rank raises on every rank alike
+    (the check reads the gathered labels), so a loop that skips the batch stays in step."""
+    mesh = init_device_mesh("cpu", (world,))
+    xs, xt, ws, wt, *_ = _inputs(torch.float64)
+    w_d = distribute_tensor(ws, mesh, [Shard(0)])
+    labels = torch.zeros(xs.shape[0], dtype=torch.int64)
+    if rank == 1:
+        labels[3] = 10_000
+    try:
+        nitrobrew.forward_kl(xs, xt, w_d, wt, labels=labels, ce_weight=1.0)
+    except IndexError as error:
+        assert "labels" in str(error), error
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+    loss = nitrobrew.forward_kl(xs, xt, w_d, wt, labels=torch.zeros_like(labels), ce_weight=1.0)  # the next batch
+    assert torch.isfinite(loss)
+
+
+def process_group_and_dtensors_refused(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    xs, xt, ws, wt, *_ = _inputs(torch.float64)
+    try:
+        nitrobrew.forward_kl(xs, xt, distribute_tensor(ws, mesh, [Shard(0)]), wt, process_group=dist.group.WORLD)
+    except ValueError as error:
+        assert "without process_group" in str(error), error
+    else:
+        raise AssertionError("no error")

@@ -53,3 +53,11 @@ def test_a_process_group_needs_torch_distributed_initialized():
 
 def test_the_module_takes_a_process_group():
     run_on_ranks(3, cases.module)
+
+
+def test_under_torch_compile():
+    run_on_ranks(2, cases.compiled)
+
+
+def test_a_rank_whose_shard_is_empty():
+    run_on_ranks(2, cases.empty_shard)

@@ -322,3 +322,52 @@ def module(rank: int, world: int) -> None:
     loss = nitrobrew.DistillationLoss("jsd", beta=0.4, temperature=1.5, process_group=dist.group.WORLD)
     _close(loss(xs, xt, ws[rows], wt[rows], labels),
            nitrobrew.jsd(xs, xt, ws, wt, beta=0.4, temperature=1.5, labels=labels), 1e-12, f"rank {rank}: module")
+
+
+def compiled(rank: int, world: int) -> None:
+    """Under torch.compile the sharded loss runs eagerly inside the compiled function (a graph break)."""
+    xs, xt, ws, wt, _, _, labels, _ = _inputs(torch.float64)
+    rows = _shard_rows(rank, world)
+    x = xs.clone().requires_grad_()
+    step = torch.compile(lambda a: 2 * nitrobrew.forward_kl(a, xt, ws[rows], wt[rows], labels=labels,
+                                                            process_group=dist.group.WORLD))
+    loss = step(x)
+    loss.backward()
+    x_ref = xs.clone().requires_grad_()
+    expected = 2 * nitrobrew.forward_kl(x_ref, xt, ws, wt, labels=labels)
+    expected.backward()
+    _close(loss.detach(), expected.detach(), 1e-12, f"rank {rank}: compiled loss")
+    _close(x.grad, x_ref.grad, 1e-12, f"rank {rank}: compiled xs.grad")
+
+
+def empty_shard(rank: int, world: int) -> None:
+    """A rank whose shard holds no vocabulary row (as DTensor's torch.chunk layout gives when the ranks
+    outnumber the rows): it joins every collective and contributes nothing."""
+    xs, xt, ws, wt, _, _, labels, _ = _inputs(torch.float64)
+    rows = slice(0, V) if rank == 0 else slice(V, V)
+    group = dist.group.WORLD
+    ids, logprobs = _teacher(xs.shape[0], 6, seed=4)
+    zs = (xs @ ws.T).detach()
+    for name, whole_fn, shard_fn, leaf in (
+        ("forward_kl with CE", lambda w: nitrobrew.forward_kl(xs, xt, w, wt, labels=labels, ce_weight=0.5),
+         lambda w: nitrobrew.forward_kl(xs, xt, w, wt[rows], labels=labels, ce_weight=0.5, process_group=group), ws),
+        ("jsd", lambda w: nitrobrew.jsd(xs, xt, w, wt, beta=0.3),
+         lambda w: nitrobrew.jsd(xs, xt, w, wt[rows], beta=0.3, process_group=group), ws),
+        ("topk_kl", lambda w: nitrobrew.topk_kl(xs, w, ids, logprobs),
+         lambda w: nitrobrew.topk_kl(xs, w, ids, logprobs, process_group=group), ws),
+        ("logits.jsd", lambda z: nitrobrew.logits.jsd(z, zs, beta=0.6),
+         lambda z: nitrobrew.logits.jsd(z, zs[:, rows], beta=0.6, process_group=group), zs),
+        ("logits.topk_kl", lambda z: nitrobrew.logits.topk_kl(z, ids, logprobs, normalize="topk"),
+         lambda z: nitrobrew.logits.topk_kl(z, ids, logprobs, normalize="topk", process_group=group), zs),
+    ):
+        whole_leaf = leaf.clone().requires_grad_()
+        whole = whole_fn(whole_leaf)
+        whole.backward()
+        shard_leaf = leaf[rows].clone().requires_grad_() if leaf is ws else leaf[:, rows].clone().requires_grad_()
+        loss = shard_fn(shard_leaf)
+        loss.backward()
+        _close(loss.detach(), whole.detach(), 1e-12, f"rank {rank} {name}: loss")
+        expected = whole_leaf.grad[rows] if leaf is ws else whole_leaf.grad[:, rows]
+        assert shard_leaf.grad.shape == expected.shape, f"rank {rank} {name}: gradient shape"
+        if expected.numel():
+            _close(shard_leaf.grad, expected, 1e-12, f"rank {rank} {name}: gradient")
