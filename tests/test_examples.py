@@ -51,3 +51,21 @@ def test_hf_step_benchmark_smoke(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = out.read_text().splitlines()
     assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
+
+
+def test_vocab_parallel_benchmark_smoke(tmp_path):
+    # benchmarks/vocab_parallel.py over gloo on the CPU: 1 and 2 ranks, every method and mode measured, the
+    # three methods' losses equal on 2 ranks (Megatron's within its bf16-rounded logits), the CSV written.
+    import csv
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "vocab_parallel.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocab_parallel.py"), "--device", "cpu",
+                             "--gpus", "1", "2", "--shape", "48,600,24,40", "--rounds", "1", "--repeats", "1",
+                             "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 2 + 2 * 3 and all(row["status"] == "ok" for row in rows), rows
+    losses = {row["method"]: float(row["loss_value"]) for row in rows if row["gpus"] == "2"}
+    assert abs(losses["allgather_weights"] - losses["nitrobrew"]) < 1e-5 * losses["nitrobrew"], losses
+    assert abs(losses["megatron_logits"] - losses["nitrobrew"]) < 1e-2 * losses["nitrobrew"], losses

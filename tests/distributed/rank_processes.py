@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
@@ -19,8 +22,8 @@ def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> No
 
 
 def run_on_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
-    """fn(rank, world, *args) on each of `world` spawned processes; a failure on any rank raises here
-    with that rank's traceback."""
+    """fn(rank, world, *args) on each of `world` spawned processes (over NCCL: rank r on GPU r); a failure
+    on any rank raises here with that rank's traceback."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         mp.spawn(_worker, args=(world, init_file, backend, fn, args), nprocs=world, join=True)

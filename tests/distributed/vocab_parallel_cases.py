@@ -95,7 +95,6 @@ def fused_linear(rank: int, world: int, dtype_name: str) -> None:
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
-    failures = []
     for divergence, options in FUSED_LINEAR_CASES:
         options = dict(options)
         xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
@@ -129,9 +128,8 @@ def fused_linear(rank: int, world: int, dtype_name: str) -> None:
             if dtype in (torch.bfloat16, torch.float16):  # the CUDA tests' tolerance rule against float64
                 _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream,
                                                options, rows, what)
-        except Exception as error:  # every case runs; all failures are reported together
-            failures.append(f"{what}: {type(error).__name__}: {error}")
-    assert not failures, "\n".join(failures)
+        except Exception as error:  # at once: a rank that went on would leave the others in a collective
+            raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
 
 def _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options,
@@ -156,7 +154,6 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     cols = _shard_rows(rank, world)
-    failures = []
     for divergence, options in [("forward_kl", {}), ("reverse_kl", {"temperature": 0.5}),
                                 ("jsd", {"beta": 0.3, "labels": True, "reduction": "none"}),
                                 ("jsd", {"beta": 0.8, "masked_vocab": True}), ("forward_kl", {"masked_vocab": True})]:
@@ -183,9 +180,8 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
             (whole, d_whole), (shard, d_shard) = results
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
-        except Exception as error:
-            failures.append(f"{what}: {type(error).__name__}: {error}")
-    assert not failures, "\n".join(failures)
+        except Exception as error:  # at once: a rank that went on would leave the others in a collective
+            raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
 
 TOPK_CASES = [
@@ -213,7 +209,6 @@ def topk_linear(rank: int, world: int, dtype_name: str) -> None:
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
-    failures = []
     for options in TOPK_CASES:
         options = dict(options)
         xs, _, ws, _, bias_s, _, labels, upstream = _inputs(dtype, seed=3, device=device)
@@ -248,9 +243,8 @@ def topk_linear(rank: int, world: int, dtype_name: str) -> None:
                 _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
                 _close(d_shard[0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
                 _close(d_shard[1], ref_grads[1][rows], 1e-10, f"{what}: ws.grad vs reference")
-        except Exception as error:
-            failures.append(f"{what}: {type(error).__name__}: {error}")
-    assert not failures, "\n".join(failures)
+        except Exception as error:  # at once: a rank that went on would leave the others in a collective
+            raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
 
 def topk_logits(rank: int, world: int, dtype_name: str) -> None:
@@ -258,7 +252,6 @@ def topk_logits(rank: int, world: int, dtype_name: str) -> None:
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     cols = _shard_rows(rank, world)
-    failures = []
     for options in TOPK_CASES:
         options = {k: v for k, v in options.items() if k not in ("bias", "logit_scale_s")}
         g = torch.Generator().manual_seed(5)
@@ -281,9 +274,8 @@ def topk_logits(rank: int, world: int, dtype_name: str) -> None:
             (whole, d_whole), (shard, d_shard) = results
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
-        except Exception as error:
-            failures.append(f"{what}: {type(error).__name__}: {error}")
-    assert not failures, "\n".join(failures)
+        except Exception as error:  # at once: a rank that went on would leave the others in a collective
+            raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
 
 def errors(rank: int, world: int) -> None:

@@ -14,6 +14,7 @@
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
+#   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
 set -uo pipefail
@@ -23,6 +24,8 @@ mkdir -p "$OUT"
 steps=${*:-build test test_sm80 sanitize}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NITROBREW_CUDA_ARCHS=${NITROBREW_CUDA_ARCHS:-9.0a}
 export NITROBREW_DEV_KNOBS=${NITROBREW_DEV_KNOBS:-1}
+# NVLink multicast stays off on the lent multi-GPU hosts (the device library's KINDS.md), for every program.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The randomized tests' cases per family and device (CI's CPU run: 8).
 export NITROBREW_RANDOM_CASES=${NITROBREW_RANDOM_CASES:-64}
 families=${FAMILIES:-fused_linear topk_linear logits attention_kl distributed}
@@ -81,6 +84,9 @@ for step in $steps; do
     hf_step) for pair in ${HF_PAIRS:-qwen llama}; do
                run "hf_step_$pair" python3 benchmarks/hf_step.py --model "$pair" --out "$OUT/hf_step_${pair}_cuda.csv"
              done ;;
+    bench_vocab_parallel) gpus=$(nvidia-smi -L | wc -l); counts=$(for g in 1 2 4 8; do [ "$g" -le "$gpus" ] && echo "$g"; done)
+                          run bench_vocab_parallel python3 benchmarks/vocab_parallel.py --gpus $counts \
+                            --out "$OUT/vocab_parallel_${gpus}gpu.csv" ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
     *) echo "unknown step: $step"; status=1 ;;
   esac
