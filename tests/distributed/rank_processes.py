@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -13,7 +14,9 @@ import torch.multiprocessing as mp
 def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A collective that waits past the timeout raises (NCCL aborts the rank) rather than hanging the test run.
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180))
     try:
         fn(rank, world, *args)
         dist.barrier()  # no rank tears its connections down while another still reads from them
