@@ -89,7 +89,8 @@ def loss_liger(student, teacher, ids):
 METHODS = {"nitrobrew": loss_nitrobrew, "logits": loss_logits, "liger": loss_liger}
 
 
-def build(name, role, args, device):
+def build(name, role, args, device, tied=None):
+    """A randomly initialized model of the pair (tied: override the pair's tied embeddings)."""
     import transformers
 
     pair = PAIRS[name]
@@ -97,7 +98,7 @@ def build(name, role, args, device):
     config = getattr(transformers, pair["config"])(
         vocab_size=TINY["vocab"] if args.tiny else pair["vocab"], hidden_size=hidden,
         num_hidden_layers=layers or args.llama_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        intermediate_size=intermediate, tie_word_embeddings=pair["tied"], rope_theta=pair["rope_theta"],
+        intermediate_size=intermediate, tie_word_embeddings=pair["tied"] if tied is None else tied, rope_theta=pair["rope_theta"],
         max_position_embeddings=max(args.tokens), **({"initializer_range": TINY["std"]} if args.tiny else {}))
     # Made on the device in bf16 and initialized there with the config's std (0.02): after the final RMSNorm
     # the logits have std ~0.02 * sqrt(hidden), 0.6 to 1.8 here, so the KL is far from 0.

@@ -69,3 +69,21 @@ def test_vocab_parallel_benchmark_smoke(tmp_path):
     losses = {row["method"]: float(row["loss_value"]) for row in rows if row["gpus"] == "2"}
     assert abs(losses["allgather_weights"] - losses["nitrobrew"]) < 1e-5 * losses["nitrobrew"], losses
     assert abs(losses["megatron_logits"] - losses["nitrobrew"]) < 1e-2 * losses["nitrobrew"], losses
+
+
+def test_fsdp2_step_benchmark_smoke(tmp_path):
+    # benchmarks/fsdp2_step.py over gloo on the CPU with tiny models: FSDP2 on 2 ranks, both methods step, and
+    # their losses agree (the logits method rounds its logits to bf16).
+    import csv
+
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "fsdp2_step.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp2_step.py"), "--device", "cpu", "--tiny",
+                             "--gpus", "2", "--warmup", "1", "--repeats", "1", "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["method"]: row for row in csv.DictReader(out.open())}
+    assert set(rows) == {"nitrobrew", "logits"} and all(r["status"] == "ok" for r in rows.values()), rows
+    a, b = (float(rows[m]["loss_mean_over_ranks"]) for m in ("nitrobrew", "logits"))
+    assert abs(a - b) < 2e-2 * abs(b), rows

@@ -15,6 +15,7 @@
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
 #   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
+#   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
 set -uo pipefail
@@ -87,6 +88,9 @@ for step in $steps; do
     bench_vocab_parallel) gpus=$(nvidia-smi -L | wc -l); counts=$(for g in 1 2 4 8; do [ "$g" -le "$gpus" ] && echo "$g"; done)
                           run bench_vocab_parallel python3 benchmarks/vocab_parallel.py --gpus $counts \
                             --out "$OUT/vocab_parallel_${gpus}gpu.csv" ;;
+    fsdp2_step) gpus=$(nvidia-smi -L | wc -l)
+                run fsdp2_step python3 benchmarks/fsdp2_step.py --gpus $(printf '%s\n' 2 "$gpus" | sort -nu) \
+                  --out "$OUT/fsdp2_step_${gpus}gpu.csv" ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
     *) echo "unknown step: $step"; status=1 ;;
   esac

@@ -1,0 +1,160 @@
+"""A training step under FSDP2 on several GPUs (one process a GPU, each rank its own tokens): a Hugging
+Face student (Qwen2.5 0.5B shapes, untied embeddings: FSDP2 needs the lm_head to be a unit of its own)
+distilled from a whole teacher (1.5B shapes) with forward KL, an SGD step; per GPU the step time and
+peak memory of
+
+  nitrobrew  the decoder alone, then nitrobrew.forward_kl on the FSDP2-sharded lm_head (a DTensor:
+             the ranks gather activations, not the lm_head; docs/distributed.md);
+  logits     the model's own forward (FSDP2 gathers the lm_head) and a float32 kl_div on the logits.
+
+    python benchmarks/fsdp2_step.py --gpus 2 4 --tokens 4096 16384 --out benchmarks/results/fsdp2_step_4xh100.csv
+    python benchmarks/fsdp2_step.py --device cpu --tiny --gpus 2 --out /tmp/fsdp2_step.csv   # a gloo smoke run
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set before any process starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from queue import Empty
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_name] = _value
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import harness  # noqa: E402
+import hf_step  # noqa: E402
+
+COLUMNS = ["date", "device", "gpus", "torch", "method", "tokens_per_rank", "status", "step_ms_median", "step_ms_min",
+           "peak_gib_max_over_ranks", "loss_mean_over_ranks"]
+
+
+def loss_nitrobrew(student, teacher, ids):
+    import nitrobrew
+
+    h = student.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    with torch.no_grad():
+        h_t = teacher.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    return nitrobrew.forward_kl(h, h_t, student.lm_head.weight, teacher.lm_head.weight)
+
+
+METHODS = {"nitrobrew": loss_nitrobrew, "logits": hf_step.loss_logits}
+
+
+def sharded_student(args, device, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # the same student on every rank, as from a checkpoint
+    student = hf_step.build("qwen", "student", args, device, tied=False)
+    for layer in student.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(student.model, mesh=mesh)
+    fully_shard(student.lm_head, mesh=mesh)
+    fully_shard(student, mesh=mesh)
+    return student
+
+
+def worker(rank, world, init_file, args, out_queue):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh(args.device, (world,))
+    torch.manual_seed(1)
+    teacher = hf_step.build("qwen", "teacher", args, device, tied=False)
+    results = []
+    for tokens in args.tokens:
+        ids = torch.randint(0, teacher.config.vocab_size, (1, tokens),
+                            generator=torch.Generator().manual_seed(100 + rank)).to(device)  # each rank's own
+        for method in args.methods:
+            status, times, peak, loss_value = "ok", [], 0.0, float("nan")
+            try:
+                student = sharded_student(args, device, mesh)
+                opt = torch.optim.SGD(student.parameters(), lr=1e-4)
+                baseline = harness.memory_baseline(device)
+                for i in range(args.warmup + args.repeats):
+                    dist.barrier()
+                    start = datetime.datetime.now()
+                    loss = METHODS[method](student, teacher, ids)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if i >= args.warmup:
+                        times.append((datetime.datetime.now() - start).total_seconds() * 1e3)
+                    loss_value = float(loss.detach())
+                peak = harness.peak_extra_mib(device, baseline) / 1024
+            except harness.OOM_ERROR:
+                status = "oom"
+            student = opt = loss = None
+            harness.free_device_memory(device)
+            # Every rank's view: the slowest rank's median, the largest peak, the mean loss.
+            stats = torch.tensor([statistics.median(times) if times else float("nan"), min(times, default=float("nan")),
+                                  peak, loss_value, float(status != "ok")], device=device, dtype=torch.float64)
+            gathered = [torch.empty_like(stats) for _ in range(world)]
+            dist.all_gather(gathered, stats)
+            g = torch.stack(gathered)
+            results.append(dict(method=method, tokens_per_rank=tokens,
+                                status="oom" if g[:, 4].max() > 0 else "ok",
+                                step_ms_median=float(g[:, 0].max()), step_ms_min=float(g[:, 1].max()),
+                                peak_gib_max_over_ranks=float(g[:, 2].max()), loss_mean_over_ranks=float(g[:, 3].mean())))
+    if rank == 0:
+        out_queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--tokens", type=int, nargs="+", help="per rank (default 4096 16384; --tiny: 64)")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a gloo smoke run (with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="tiny models (hf_step.py's)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.tokens = args.tokens or ([64] if args.tiny else [4096, 16384])
+    args.llama_layers = 2  # hf_step.build's argument; the Qwen pair does not read it
+    rows = []
+    context = mp.get_context("spawn")
+    for world in args.gpus:
+        queue = context.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            processes = mp.start_processes(worker, args=(world, os.path.join(tmp, "rendezvous"), args, queue),
+                                           nprocs=world, join=False, start_method="spawn")
+            while True:  # a rank that fails raises here (join), instead of leaving the queue empty for good
+                try:
+                    results = queue.get(timeout=5)
+                    break
+                except Empty:
+                    processes.join(timeout=0)
+            rows.extend(dict(r, gpus=world) for r in results)
+            processes.join()
+    device = harness.device_name(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"))
+    for r in rows:
+        r.update(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__)
+        print(f"{r['gpus']} GPUs {r['method']:<10} T={r['tokens_per_rank']:<6} {r['status']:<4} "
+              f"{r['step_ms_median']:9.1f} ms  peak {r['peak_gib_max_over_ranks']:6.2f} GiB  "
+              f"loss {r['loss_mean_over_ranks']:.5f}")
+    harness.write_csv(args.out, COLUMNS, rows)
+
+
+if __name__ == "__main__":
+    main()
