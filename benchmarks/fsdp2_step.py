@@ -19,9 +19,7 @@ import argparse
 import datetime
 import os
 import statistics
-import tempfile
 from pathlib import Path
-from queue import Empty
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -29,7 +27,6 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import harness  # noqa: E402
 import hf_step  # noqa: E402
@@ -133,20 +130,8 @@ def main():
     args.tokens = args.tokens or ([64] if args.tiny else [4096, 16384])
     args.llama_layers = 2  # hf_step.build's argument; the Qwen pair does not read it
     rows = []
-    context = mp.get_context("spawn")
     for world in args.gpus:
-        queue = context.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            processes = mp.start_processes(worker, args=(world, os.path.join(tmp, "rendezvous"), args, queue),
-                                           nprocs=world, join=False, start_method="spawn")
-            while True:  # a rank that fails raises here (join), instead of leaving the queue empty for good
-                try:
-                    results = queue.get(timeout=5)
-                    break
-                except Empty:
-                    processes.join(timeout=0)
-            rows.extend(dict(r, gpus=world) for r in results)
-            processes.join()
+        rows.extend(dict(row, gpus=world) for row in harness.results_of_ranks(worker, world, args))
     device = harness.device_name(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"))
     for r in rows:
         r.update(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__)

@@ -180,3 +180,27 @@ def write_csv(out, columns, rows):
         for row in rows:
             writer.writerow({key: (f"{val:.4g}" if isinstance(val, float) else val) for key, val in row.items()})
     print(f"wrote {out}")
+
+
+def results_of_ranks(worker, world, args):
+    """worker(rank, world, init_file, args, queue) on `world` spawned processes (a file rendezvous at
+    init_file); returns what rank 0 puts on the queue. A rank that fails raises here, instead of leaving
+    the queue empty for good."""
+    import os
+    import tempfile
+    from queue import Empty
+
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = mp.start_processes(worker, args=(world, os.path.join(tmp, "rendezvous"), args, queue),
+                                       nprocs=world, join=False, start_method="spawn")
+        while True:
+            try:
+                results = queue.get(timeout=5)
+                break
+            except Empty:
+                processes.join(timeout=0)
+        processes.join()
+    return results

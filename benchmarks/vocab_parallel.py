@@ -26,9 +26,7 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
-from queue import Empty
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -36,7 +34,6 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import harness  # noqa: E402
 
@@ -217,20 +214,8 @@ def main():
     if args.device == "cuda" and torch.cuda.device_count() < max(args.gpus):
         sys.exit(f"--gpus {max(args.gpus)} needs that many GPUs, this machine has {torch.cuda.device_count()}")
     rows = []
-    context = mp.get_context("spawn")
     for world in args.gpus:
-        queue = context.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            processes = mp.start_processes(worker, args=(world, os.path.join(tmp, "rendezvous"), args, queue),
-                                           nprocs=world, join=False, start_method="spawn")
-            while True:  # a rank that fails raises here (join), instead of leaving the queue empty for good
-                try:
-                    results = queue.get(timeout=5)
-                    break
-                except Empty:
-                    processes.join(timeout=0)
-            rows.extend(dict(result, gpus=world) for result in results)
-            processes.join()
+        rows.extend(dict(row, gpus=world) for row in harness.results_of_ranks(worker, world, args))
     single = {(r["mode"]): r["median_ms"] for r in rows if r["gpus"] == 1 and r["method"] == "nitrobrew"}
     n, v, d_s, d_t = args.shape
     for r in rows:

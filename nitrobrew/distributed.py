@@ -127,6 +127,9 @@ class _Shard:
 def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group) -> _Shard:
     """Where each rank's shard starts: one all-gather of the ranks' row counts."""
     dist = _dist()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. torch.distributed.group.WORLD "
+                        f"or one from new_group), got {type(group).__name__}")
     counts = _all_gather(torch.tensor([rows_s, rows_t], dtype=torch.int64, device=device), group).tolist()
     mismatched = [r for r, (s, t) in enumerate(counts) if s != t]
     if mismatched:

@@ -119,12 +119,17 @@ def fused_linear(rank: int, world: int, dtype_name: str) -> None:
                 beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
                 ref_options = {k: v for k, v in options.items() if k != "beta"}
                 leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
-                ref = reference.fused_linear(leaves[0], xt, leaves[1], wt, beta=beta, labels=labels, bias_s=bias_s,
-                                             bias_t=bias_t, **ref_options)
+                if bias_s is not None:
+                    leaves.append(bias_s.clone().requires_grad_())
+                ref = reference.fused_linear(leaves[0], xt, leaves[1], wt, beta=beta, labels=labels,
+                                             bias_s=leaves[2] if bias_s is not None else None, bias_t=bias_t,
+                                             **ref_options)
                 ref_grads = torch.autograd.grad(ref, leaves, upstream)
                 _close(shard[0], ref.detach(), 1e-10, f"{what}: loss vs reference")
                 _close(shard[1][0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
                 _close(shard[1][1], ref_grads[1][rows], 1e-10, f"{what}: ws.grad vs reference")
+                if bias_s is not None:
+                    _close(shard[1][2], ref_grads[2][rows], 1e-10, f"{what}: bias_s.grad vs reference")
             if dtype in (torch.bfloat16, torch.float16):  # the CUDA tests' tolerance rule against float64
                 _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream,
                                                options, rows, what)
@@ -180,6 +185,14 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
             (whole, d_whole), (shard, d_shard) = results
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
+            if dtype == torch.float64:  # and the materializing reference, by autograd
+                beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
+                leaf = zs.clone().requires_grad_()
+                ref = reference.logits(leaf, zt, beta=beta, labels=labels,
+                                       **{k: v for k, v in options.items() if k != "beta"})
+                _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
+                _close(d_shard, torch.autograd.grad(ref, leaf, upstream)[0][:, cols], 1e-10,
+                       f"{what}: zs.grad vs reference")
         except Exception as error:  # at once: a rank that went on would leave the others in a collective
             raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
@@ -274,6 +287,12 @@ def topk_logits(rank: int, world: int, dtype_name: str) -> None:
             (whole, d_whole), (shard, d_shard) = results
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
+            if dtype == torch.float64:  # and the materializing reference, by autograd
+                leaf = zs.clone().requires_grad_()
+                ref = reference.topk_logits(leaf, ids, logprobs, labels=labels, **options)
+                _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
+                _close(d_shard, torch.autograd.grad(ref, leaf, upstream)[0][:, cols], 1e-10,
+                       f"{what}: zs.grad vs reference")
         except Exception as error:  # at once: a rank that went on would leave the others in a collective
             raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
@@ -293,6 +312,9 @@ def errors(rank: int, world: int) -> None:
         "a label past vocab_size": (IndexError, "labels",
                                     lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows], labels=labels + V,
                                                                  ce_weight=1.0, process_group=group)),
+        "a process_group that is no group": (TypeError, "process_group must be",
+                                             lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows],
+                                                                          process_group="world")),
         "a teacher id past the vocabulary": (IndexError, "teacher_ids",
                                              lambda: nitrobrew.topk_kl(xs, ws[rows], labels[:, None].clamp(min=0) + V,
                                                                        torch.zeros(xs.shape[0], 1, dtype=xs.dtype),
