@@ -7,7 +7,7 @@ peak memory of
              the ranks gather activations, not the lm_head; docs/distributed.md);
   logits     the model's own forward (FSDP2 gathers the lm_head) and a float32 kl_div on the logits.
 
-    python benchmarks/fsdp2_step.py --gpus 2 4 --tokens 4096 16384 --out benchmarks/results/fsdp2_step_4xh100.csv
+    python benchmarks/fsdp2_step.py --gpus 2 4 --tokens 4096 16384 --out benchmarks/results/fsdp2_step_qwen_4xh200_DATE.csv
     python benchmarks/fsdp2_step.py --device cpu --tiny --gpus 2 --out /tmp/fsdp2_step.csv   # a gloo smoke run
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends are set before any process starts).
@@ -32,7 +32,7 @@ import harness  # noqa: E402
 import hf_step  # noqa: E402
 
 COLUMNS = ["date", "device", "gpus", "torch", "method", "tokens_per_rank", "status", "step_ms_median", "step_ms_min",
-           "peak_gib_max_over_ranks", "loss_mean_over_ranks"]
+           "peak_gib_max_over_ranks", "loss_mean_over_ranks", "round_medians_ms"]
 
 
 def loss_nitrobrew(student, teacher, ids):
@@ -77,39 +77,55 @@ def worker(rank, world, init_file, args, out_queue):
     for tokens in args.tokens:
         ids = torch.randint(0, teacher.config.vocab_size, (1, tokens),
                             generator=torch.Generator().manual_seed(100 + rank)).to(device)  # each rank's own
+        # Both students live side by side, and the methods alternate round by round, so that a slow
+        # spell of the machine falls on both.
+        students = {method: sharded_student(args, device, mesh) for method in args.methods}
+        optimizers = {method: torch.optim.SGD(students[method].parameters(), lr=1e-4) for method in args.methods}
+        rounds = {method: [] for method in args.methods}
+        peak = {method: 0.0 for method in args.methods}
+        loss_value = {method: float("nan") for method in args.methods}
+        status = {method: "ok" for method in args.methods}
+        for _ in range(args.rounds):
+            for method in args.methods:
+                if status[method] != "ok":
+                    continue
+                student, opt, times = students[method], optimizers[method], []
+                try:
+                    baseline = harness.memory_baseline(device)
+                    for i in range(args.warmup + args.repeats):
+                        dist.barrier()
+                        start = datetime.datetime.now()
+                        loss = METHODS[method](student, teacher, ids)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        if i >= args.warmup:
+                            times.append((datetime.datetime.now() - start).total_seconds() * 1e3)
+                        loss_value[method] = float(loss.detach())
+                    peak[method] = max(peak[method], harness.peak_extra_mib(device, baseline) / 1024)
+                    rounds[method].append(statistics.median(times))
+                except harness.OOM_ERROR:
+                    status[method] = "oom"
+                loss = None
+                harness.free_device_memory(device)
+        students = optimizers = None
+        harness.free_device_memory(device)
         for method in args.methods:
-            status, times, peak, loss_value = "ok", [], 0.0, float("nan")
-            try:
-                student = sharded_student(args, device, mesh)
-                opt = torch.optim.SGD(student.parameters(), lr=1e-4)
-                baseline = harness.memory_baseline(device)
-                for i in range(args.warmup + args.repeats):
-                    dist.barrier()
-                    start = datetime.datetime.now()
-                    loss = METHODS[method](student, teacher, ids)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    if i >= args.warmup:
-                        times.append((datetime.datetime.now() - start).total_seconds() * 1e3)
-                    loss_value = float(loss.detach())
-                peak = harness.peak_extra_mib(device, baseline) / 1024
-            except harness.OOM_ERROR:
-                status = "oom"
-            student = opt = loss = None
-            harness.free_device_memory(device)
-            # Every rank's view: the slowest rank's median, the largest peak, the mean loss.
-            stats = torch.tensor([statistics.median(times) if times else float("nan"), min(times, default=float("nan")),
-                                  peak, loss_value, float(status != "ok")], device=device, dtype=torch.float64)
+            # Every rank's view: the slowest rank's median over rounds, the largest peak, the mean loss.
+            r = rounds[method]
+            stats = torch.tensor([statistics.median(r) if r else float("nan"), min(r, default=float("nan")),
+                                  peak[method], loss_value[method], float(status[method] != "ok")], device=device,
+                                 dtype=torch.float64)
             gathered = [torch.empty_like(stats) for _ in range(world)]
             dist.all_gather(gathered, stats)
             g = torch.stack(gathered)
             results.append(dict(method=method, tokens_per_rank=tokens,
                                 status="oom" if g[:, 4].max() > 0 else "ok",
                                 step_ms_median=float(g[:, 0].max()), step_ms_min=float(g[:, 1].max()),
-                                peak_gib_max_over_ranks=float(g[:, 2].max()), loss_mean_over_ranks=float(g[:, 3].mean())))
+                                peak_gib_max_over_ranks=float(g[:, 2].max()), loss_mean_over_ranks=float(g[:, 3].mean()),
+                                round_medians_ms=" ".join(f"{t:.1f}" for t in r)))
     if rank == 0:
         out_queue.put(results)
     dist.barrier()
@@ -121,8 +137,9 @@ def main():
     p.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
     p.add_argument("--tokens", type=int, nargs="+", help="per rank (default 4096 16384; --tiny: 64)")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every round")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps a round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the methods alternate round by round")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a gloo smoke run (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny models (hf_step.py's)")
     p.add_argument("--out", type=Path, required=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -182,11 +183,22 @@ def write_csv(out, columns, rows):
     print(f"wrote {out}")
 
 
+def _rank_then_exit(rank, worker, world, init_file, args, queue):
+    """worker's run, then the process's end without the interpreter's finalization, where torch's gloo
+    backend now and then aborts a rank that finished its work (a C++ thread destroyed while joinable).
+    The queue's data is flushed first."""
+    worker(rank, world, init_file, args, queue)
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def results_of_ranks(worker, world, args):
     """worker(rank, world, init_file, args, queue) on `world` spawned processes (a file rendezvous at
     init_file); returns what rank 0 puts on the queue. A rank that fails raises here, instead of leaving
     the queue empty for good."""
-    import os
     import tempfile
     from queue import Empty
 
@@ -194,8 +206,8 @@ def results_of_ranks(worker, world, args):
 
     queue = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        processes = mp.start_processes(worker, args=(world, os.path.join(tmp, "rendezvous"), args, queue),
-                                       nprocs=world, join=False, start_method="spawn")
+        processes = mp.start_processes(_rank_then_exit, nprocs=world, join=False, start_method="spawn",
+                                       args=(worker, world, os.path.join(tmp, "rendezvous"), args, queue))
         while True:
             try:
                 results = queue.get(timeout=5)

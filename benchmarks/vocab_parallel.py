@@ -7,12 +7,16 @@ against two ways to do the same job:
   megatron_logits    each rank's [N, V/R] logits in float32 and a vocabulary-parallel forward KL
                      through autograd-aware all-reduces (Megatron's vocab-parallel cross-entropy way),
                      the input's gradient all-reduced in the backward;
-  nitrobrew          nitrobrew.forward_kl(..., process_group=): per-token statistics only.
+  nitrobrew          nitrobrew.forward_kl(..., process_group=): per-token statistics only;
+  local_shard        the single-GPU loss on this rank's rows alone, no communication (not the whole
+                     vocabulary's loss): the compute floor of R GPUs, so that nitrobrew's distance from
+                     perfect scaling splits into the kernels' at V/R rows and the communication's.
 
-Per method and mode: time (median over ranks' medians is reported from rank 0's CUDA events, each
-measured between barriers), peak memory above the inputs on rank 0, the bytes each rank sends per step
-(counted from the collectives' tensors with ring formulas), and for nitrobrew the scaling efficiency
-against R = 1 (the whole vocabulary on one GPU): t_1 / (R * t_R).
+Per method and mode: time (rank 0's CUDA events, each round measured between barriers, the methods
+alternating round by round; the median of the rounds' medians), peak memory above the inputs on rank
+0, the bytes each rank sends per step (counted from the collectives' tensors with ring formulas), and
+for nitrobrew and local_shard the scaling efficiency against R = 1 (the whole vocabulary on one GPU):
+t_1 / (R * t_R).
 
     torchrun-free:  python benchmarks/vocab_parallel.py --gpus 1 2 4 --out benchmarks/results/...csv
 
@@ -37,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 import harness  # noqa: E402
 
-METHODS = ("nitrobrew", "allgather_weights", "megatron_logits")
+METHODS = ("nitrobrew", "local_shard", "allgather_weights", "megatron_logits")
 COLUMNS = ["date", "device", "gpus", "torch", "method", "mode", "N", "V", "Ds", "Dt", "status", "median_ms",
            "min_ms", "peak_extra_mib", "sent_mib_per_rank", "scaling_efficiency", "loss_value", "round_medians_ms"]
 
@@ -118,6 +122,8 @@ def run_method(method, xs, xt, ws, wt, world):
         if world == 1:
             return nitrobrew.forward_kl(xs, xt, ws, wt)
         return nitrobrew.forward_kl(xs, xt, ws, wt, process_group=dist.group.WORLD)
+    if method == "local_shard":
+        return nitrobrew.forward_kl(xs, xt, ws, wt)
     if method == "allgather_weights":
         whole = [torch.empty((ws.shape[0] * world, w.shape[1]), dtype=w.dtype, device=w.device) for w in (ws, wt)]
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name since torch 2.13
@@ -164,36 +170,49 @@ def worker(rank, world, init_file, args, out_queue):
     methods = [m for m in args.methods if world > 1 or m == "nitrobrew"]
     results = []
     for mode in ("forward", "fwd_bwd"):
+        steps = {}
         for method in methods:
             x = xs.clone().requires_grad_(mode == "fwd_bwd")
             w = ws.clone().requires_grad_(mode == "fwd_bwd")
 
-            def step():
+            def step(method=method, x=x, w=w):
                 loss = run_method(method, x, xt, w, wt, world)
                 if mode == "fwd_bwd":
                     loss.backward()
                     x.grad = w.grad = None
                 return loss
 
-            rounds, peak, value = [], 0.0, float("nan")
-            try:
-                for _ in range(args.rounds):
+            steps[method] = step
+        rounds = {m: [] for m in methods}
+        peak = {m: 0.0 for m in methods}
+        status = {m: "ok" for m in methods}
+        for _ in range(args.rounds):  # the methods alternate round by round: a slow spell falls on all of them
+            for method in methods:
+                if status[method] != "ok":
+                    continue
+                try:
                     dist.barrier()
                     baseline = harness.memory_baseline(device)
-                    times = harness.time_runs(step, device, warmup=2, repeats=args.repeats)
-                    peak = max(peak, harness.peak_extra_mib(device, baseline))
-                    rounds.append(statistics.median(times))
+                    times = harness.time_runs(steps[method], device, warmup=2, repeats=args.repeats)
+                    peak[method] = max(peak[method], harness.peak_extra_mib(device, baseline))
+                    rounds[method].append(statistics.median(times))
+                except harness.OOM_ERROR:
+                    status[method] = "oom"
+                harness.free_device_memory(device)
+        for method in methods:
+            sent, value = float("nan"), float("nan")
+            if status[method] == "ok":
                 with ByteCounter(world) as counter:
-                    value = float(step().detach())
-                status = "ok"
-            except harness.OOM_ERROR:
-                status, counter = "oom", None
-            results.append(dict(method=method, mode=mode, status=status,
-                                median_ms=statistics.median(rounds) if rounds else float("nan"),
-                                min_ms=min(rounds) if rounds else float("nan"), peak_extra_mib=peak,
-                                sent_mib_per_rank=counter.sent / 2**20 if counter else float("nan"),
-                                loss_value=value, round_medians_ms=" ".join(f"{r:.3f}" for r in rounds)))
-            harness.free_device_memory(device)
+                    value = float(steps[method]().detach())
+                sent = counter.sent / 2**20
+            r = rounds[method]
+            results.append(dict(method=method, mode=mode, status=status[method],
+                                median_ms=statistics.median(r) if r else float("nan"),
+                                min_ms=min(r) if r else float("nan"), peak_extra_mib=peak[method],
+                                sent_mib_per_rank=sent, loss_value=value,
+                                round_medians_ms=" ".join(f"{t:.3f}" for t in r)))
+        steps = None
+        harness.free_device_memory(device)
     if rank == 0:
         out_queue.put(results)
     dist.barrier()
@@ -219,7 +238,7 @@ def main():
     single = {(r["mode"]): r["median_ms"] for r in rows if r["gpus"] == 1 and r["method"] == "nitrobrew"}
     n, v, d_s, d_t = args.shape
     for r in rows:
-        if r["method"] == "nitrobrew" and r["mode"] in single and r["status"] == "ok":
+        if r["method"] in ("nitrobrew", "local_shard") and r["mode"] in single and r["status"] == "ok":
             r["scaling_efficiency"] = single[r["mode"]] / (r["gpus"] * r["median_ms"])
         r.update(date=datetime.date.today().isoformat(), device=harness.device_name(torch.device(args.device, 0)
                                                                                    if args.device == "cuda" else

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 
@@ -12,6 +13,10 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
+    # A rank still running after NITROBREW_RANK_WATCHDOG_S seconds prints every thread's stack and exits,
+    # so a hang (a kernel or a collective) shows where each rank stands instead of stalling the run.
+    watchdog = float(os.environ.get("NITROBREW_RANK_WATCHDOG_S", "1200"))
+    faulthandler.dump_traceback_later(watchdog, exit=True)
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # A collective that waits past the timeout raises (NCCL aborts the rank) rather than hanging the test run.
@@ -22,6 +27,20 @@ def _worker(rank: int, world: int, init_file: str, backend: str, fn, args) -> No
         dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
+    exit_now()
+
+
+def exit_now() -> None:
+    """Ends a rank that finished its work without the interpreter's finalization. Now and then a rank
+    that had passed every check and destroyed its group died there of SIGABRT ("terminate called without
+    an active exception": a C++ thread of torch's gloo backend destroyed while still joinable), which
+    failed a passing test."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(world: int, fn, *args, backend: str = "gloo") -> None:

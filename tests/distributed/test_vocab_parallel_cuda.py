@@ -1,5 +1,6 @@
-"""The vocabulary-parallel losses on CUDA: world size 1 over NCCL and 2 processes sharing one GPU over
-gloo, and where there are several GPUs NCCL over 2 to 4 of them, one rank a GPU (uneven shards;
+"""The vocabulary-parallel losses on CUDA: world size 1 over NCCL and 2 to 4 processes sharing one GPU
+over gloo (every world size's shards through the CUDA kernels), and where there are several GPUs NCCL
+over 2 to 4 of them, one rank a GPU (uneven shards;
 vocab_size inside a shard and a shard wholly in the padding), 16-bit and float32, against the
 single-GPU loss and, for 16-bit, the float64 reference under the CUDA tests' tolerance rule
 (vocab_parallel_cases.py)."""
@@ -18,8 +19,9 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
 ]
 
-# One GPU: NCCL over 1 rank, and 2 ranks sharing it over gloo; several GPUs: NCCL, one rank a GPU.
-RUNS = [pytest.param(1, "nccl", id="nccl-1"), pytest.param(2, "gloo", id="gloo-2-on-one-gpu")] + [
+# One GPU: NCCL over 1 rank, and 2 to 4 ranks sharing it over gloo; several GPUs: NCCL, one rank a GPU.
+RUNS = [pytest.param(1, "nccl", id="nccl-1")] + [
+    pytest.param(world, "gloo", id=f"gloo-{world}-on-one-gpu") for world in (2, 3, 4)] + [
     pytest.param(world, "nccl", id=f"nccl-{world}") for world in (2, 3, 4)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world]
 

@@ -16,6 +16,9 @@
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
 #   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
 #   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
+#   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
+#                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
+#   memcheck_multi_gpu  the NCCL cases of the CUDA distributed tests under compute-sanitizer memcheck, every rank
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
 set -uo pipefail
@@ -91,6 +94,14 @@ for step in $steps; do
     fsdp2_step) gpus=$(nvidia-smi -L | wc -l)
                 run fsdp2_step python3 benchmarks/fsdp2_step.py --gpus $(printf '%s\n' 2 "$gpus" | sort -nu) \
                   --out "$OUT/fsdp2_step_${gpus}gpu.csv" ;;
+    test_multi_gpu) run test_multi_gpu env NCCL_DEBUG=WARN NITROBREW_RANK_WATCHDOG_S=${NITROBREW_RANK_WATCHDOG_S:-240} \
+                      python3 -m pytest tests/distributed -v -p no:cacheprovider ;;
+    # NCCL's communicator setup probes kernels of other GPUs (cudaErrorNoKernelImageForDevice, which it handles):
+    # API errors are not reported, memory errors in every rank's kernels are.
+    memcheck_multi_gpu) run memcheck_multi_gpu compute-sanitizer --tool memcheck --target-processes all --report-api-errors no \
+                          --error-exitcode 1 \
+                          python3 -m pytest tests/distributed/test_vocab_parallel_cuda.py -v -k "${MULTI_GPU_K:-nccl}" \
+                          -p no:cacheprovider ;;
     bench_attention) run bench_attention python3 benchmarks/attention_kl.py --device cuda --out "$OUT/attention_kl_cuda.csv" ;;
     *) echo "unknown step: $step"; status=1 ;;
   esac
