@@ -13,15 +13,8 @@ WORLDS = [w for w in (2, 3, 4) if torch.cuda.is_available() and torch.cuda.devic
 pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_nccl_available(), reason="no NCCL"),
     pytest.mark.skipif(not WORLDS, reason="needs 2 or more GPUs"),
+    pytest.mark.usefixtures("ranks_on_the_gpu"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _on_the_gpus(monkeypatch):
-    monkeypatch.setenv("NITROBREW_TEST_DEVICE", "cuda")  # read by the spawned ranks
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("world", WORLDS or [2])

@@ -1,11 +1,8 @@
 """The vocabulary-parallel losses on CUDA: world size 1 over NCCL and 2 to 4 processes sharing one GPU
 over gloo (every world size's shards through the CUDA kernels), and where there are several GPUs NCCL
-over 2 to 4 of them, one rank a GPU (uneven shards;
-vocab_size inside a shard and a shard wholly in the padding), 16-bit and float32, against the
-single-GPU loss and, for 16-bit, the float64 reference under the CUDA tests' tolerance rule
-(vocab_parallel_cases.py)."""
-
-import os
+over 2 to 4 of them, one rank a GPU (uneven shards; vocab_size inside a shard and a shard wholly in the
+padding), 16-bit and float32, against the single-GPU loss and, for 16-bit, the float64 reference under
+the CUDA tests' tolerance rule (vocab_parallel_cases.py)."""
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from rank_processes import run_on_ranks
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.usefixtures("ranks_on_the_gpu"),
 ]
 
 # One GPU: NCCL over 1 rank, and 2 to 4 ranks sharing it over gloo; several GPUs: NCCL, one rank a GPU.
@@ -24,15 +22,6 @@ RUNS = [pytest.param(1, "nccl", id="nccl-1")] + [
     pytest.param(world, "gloo", id=f"gloo-{world}-on-one-gpu") for world in (2, 3, 4)] + [
     pytest.param(world, "nccl", id=f"nccl-{world}") for world in (2, 3, 4)
     if torch.cuda.is_available() and torch.cuda.device_count() >= world]
-
-
-@pytest.fixture(autouse=True)
-def _on_the_gpu(monkeypatch):
-    monkeypatch.setenv("NITROBREW_TEST_DEVICE", "cuda")  # read by the spawned ranks
-    # NVLink multicast stays off on shared hosts (the device library's KINDS.md).
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("world,backend", RUNS)
