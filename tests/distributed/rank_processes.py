@@ -43,6 +43,15 @@ def exit_now() -> None:
     os._exit(0)
 
 
+def ranks_on_the_gpu(monkeypatch) -> None:
+    """The spawned ranks put their tensors on CUDA (vocab_parallel_cases._device), with NVLink multicast
+    off, as it stays on shared hosts (the device library's KINDS.md)."""
+    monkeypatch.setenv("NITROBREW_TEST_DEVICE", "cuda")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        monkeypatch.setenv(name, value)
+
+
 def run_on_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
     """fn(rank, world, *args) on each of `world` spawned processes (over NCCL: rank r on GPU r); a failure
     on any rank raises here with that rank's traceback."""

@@ -6,15 +6,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rank_processes import run_on_ranks
+from rank_processes import ranks_on_the_gpu, run_on_ranks
 
 WORLDS = [w for w in (2, 3, 4) if torch.cuda.is_available() and torch.cuda.device_count() >= w]
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_nccl_available(), reason="no NCCL"),
     pytest.mark.skipif(not WORLDS, reason="needs 2 or more GPUs"),
-    pytest.mark.usefixtures("ranks_on_the_gpu"),
+    pytest.mark.usefixtures("_on_the_gpu"),
 ]
+
+
+@pytest.fixture
+def _on_the_gpu(monkeypatch):
+    ranks_on_the_gpu(monkeypatch)
 
 
 @pytest.mark.parametrize("world", WORLDS or [2])

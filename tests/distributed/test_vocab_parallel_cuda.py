@@ -9,13 +9,18 @@ import torch
 import torch.distributed as dist
 
 import vocab_parallel_cases as cases
-from rank_processes import run_on_ranks
+from rank_processes import ranks_on_the_gpu, run_on_ranks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-    pytest.mark.usefixtures("ranks_on_the_gpu"),
+    pytest.mark.usefixtures("_on_the_gpu"),
 ]
+
+
+@pytest.fixture
+def _on_the_gpu(monkeypatch):
+    ranks_on_the_gpu(monkeypatch)
 
 # One GPU: NCCL over 1 rank, and 2 to 4 ranks sharing it over gloo; several GPUs: NCCL, one rank a GPU.
 RUNS = [pytest.param(1, "nccl", id="nccl-1")] + [
