@@ -60,7 +60,7 @@ def sharded_student(args, device, mesh):
     return student
 
 
-def worker(rank, world, init_file, args, out_queue):
+def worker(rank, world, init_file, args):
     from torch.distributed.device_mesh import init_device_mesh
 
     if args.device == "cuda":
@@ -126,10 +126,7 @@ def worker(rank, world, init_file, args, out_queue):
                                 step_ms_median=float(g[:, 0].max()), step_ms_min=float(g[:, 1].max()),
                                 peak_gib_max_over_ranks=float(g[:, 2].max()), loss_mean_over_ranks=float(g[:, 3].mean()),
                                 round_medians_ms=" ".join(f"{t:.1f}" for t in r)))
-    if rank == 0:
-        out_queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main():

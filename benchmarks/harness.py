@@ -184,10 +184,17 @@ def write_csv(out, columns, rows):
 
 
 def _rank_then_exit(rank, worker, world, init_file, args, queue):
-    """worker's run, then the process's end without the interpreter's finalization, where torch's gloo
-    backend now and then aborts a rank that finished its work (a C++ thread destroyed while joinable).
-    The queue's data is flushed first."""
-    worker(rank, world, init_file, args, queue)
+    """worker(rank, world, init_file, args), which joins a process group and returns its results; rank
+    0's go on the queue. Then the group's end, and the process's without the interpreter's
+    finalization, where torch's gloo backend now and then aborts a rank that finished its work (a C++
+    thread destroyed while joinable). The queue's data is flushed first."""
+    import torch.distributed as dist
+
+    results = worker(rank, world, init_file, args)
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()  # no rank tears its connections down while another still reads from them
+    dist.destroy_process_group()
     queue.close()
     queue.join_thread()
     sys.stdout.flush()
@@ -196,8 +203,8 @@ def _rank_then_exit(rank, worker, world, init_file, args, queue):
 
 
 def results_of_ranks(worker, world, args):
-    """worker(rank, world, init_file, args, queue) on `world` spawned processes (a file rendezvous at
-    init_file); returns what rank 0 puts on the queue. A rank that fails raises here, instead of leaving
+    """worker(rank, world, init_file, args) on `world` spawned processes (a file rendezvous at
+    init_file); returns what rank 0's returns. A rank that fails raises here, instead of leaving
     the queue empty for good."""
     import tempfile
     from queue import Empty

@@ -147,7 +147,7 @@ class _RowsOfWhole(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows: (ctx.rank + 1) * ctx.rows], None, None
 
 
-def worker(rank, world, init_file, args, out_queue):
+def worker(rank, world, init_file, args):
     global nitrobrew
     if args.device == "cuda":
         torch.cuda.set_device(rank)
@@ -213,10 +213,7 @@ def worker(rank, world, init_file, args, out_queue):
                                 round_medians_ms=" ".join(f"{t:.3f}" for t in r)))
         steps = None
         harness.free_device_memory(device)
-    if rank == 0:
-        out_queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main():
