@@ -12,7 +12,8 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 declare -A SHAPES=([qwen]="152064 3584 5120" [llama3]="128256 2048 4096")
 TOKENS=${TOKENS:-8192}
-metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,dram__bytes_read.sum,dram__bytes_write.sum
+# sm__cycles_active.avg / sm__cycles_elapsed.max: how busy the SMs were (a launch's partial last wave shows).
+metrics=gpu__time_duration.sum,sm__cycles_elapsed.max,sm__cycles_active.avg,dram__bytes_read.sum,dram__bytes_write.sum
 for name in ${*:-qwen llama3}; do
   read -r vocab d_s d_t <<< "${SHAPES[$name]}"
   shape=(--tokens "$TOKENS" --vocab "$vocab" --d-student "$d_s" --d-teacher "$d_t")

@@ -1,6 +1,7 @@
 """Sums an `ncu --csv --page raw` run of backward_budget.sh per kernel kind, over the last step the
 run profiled (from the last KL-pass launch on): launches, GPU time and cycles at ncu's fixed clock,
-DRAM bytes, and the rate of the matrix products in TFLOP/s where the kind's FLOPs are known. With
+how busy the SMs were (where the run measured sm__cycles_active), DRAM bytes, and the rate of the
+matrix products in TFLOP/s where the kind's FLOPs are known. With
 --csv, appends the rows to a CSV (with the device, shape and source columns).
 
     python3 tools/profiling/ncu_step_summary.py ncu_qwen.csv --shape 8192,152064,3584,5120
@@ -51,10 +52,11 @@ def main():
 
     kinds = {}
     for r in data:
-        k = kinds.setdefault(kind(r[col["Kernel Name"]]), dict(n=0, ns=0.0, cyc=0.0, rd=0.0, wr=0.0))
+        k = kinds.setdefault(kind(r[col["Kernel Name"]]), dict(n=0, ns=0.0, cyc=0.0, active=0.0, rd=0.0, wr=0.0))
         k["n"] += 1
         k["ns"] += num(r, "gpu__time_duration.sum")
         k["cyc"] += num(r, "sm__cycles_elapsed.max")
+        k["active"] += num(r, "sm__cycles_active.avg")  # absent from older runs: 0
         k["rd"] += num(r, "dram__bytes_read.sum")
         k["wr"] += num(r, "dram__bytes_write.sum")
     out = []
@@ -63,11 +65,13 @@ def main():
         out.append(dict(kernel=name, launches=k["n"], ms=round(k["ns"] / 1e6, 3), mcycles=round(k["cyc"] / 1e6, 2),
                         ghz=round(k["cyc"] / k["ns"], 3) if k["ns"] else "",
                         tflops=round(f / (k["ns"] * 1e-9) / 1e12, 1) if f and k["ns"] else "",
+                        sm_busy_pct=round(100 * k["active"] / k["cyc"], 1) if k["active"] and k["cyc"] else "",
                         dram_read_gb=round(k["rd"] / 1e9, 2), dram_write_gb=round(k["wr"] / 1e9, 2)))
-    print(f"{'kernel':80s} {'n':>3s} {'ms':>8s} {'Mcycles':>8s} {'GHz':>6s} {'TFLOP/s':>8s} {'DRAM rd GB':>10s} {'wr GB':>6s}")
+    print(f"{'kernel':80s} {'n':>3s} {'ms':>8s} {'Mcycles':>8s} {'GHz':>6s} {'TFLOP/s':>8s} {'SM busy %':>9s} "
+          f"{'DRAM rd GB':>10s} {'wr GB':>6s}")
     for o in out:
         print(f"{o['kernel']:80s} {o['launches']:3d} {o['ms']:8.3f} {o['mcycles']:8.2f} {o['ghz']:>6} {o['tflops']:>8} "
-              f"{o['dram_read_gb']:10.2f} {o['dram_write_gb']:6.2f}")
+              f"{o['sm_busy_pct']:>9} {o['dram_read_gb']:10.2f} {o['dram_write_gb']:6.2f}")
     if args.out:
         new = not args.out.exists()
         with open(args.out, "a", newline="") as f:
