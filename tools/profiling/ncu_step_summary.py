@@ -1,5 +1,5 @@
 """Sums an `ncu --csv --page raw` run of backward_budget.sh per kernel kind, over the last step the
-run profiled (from the last KL-pass launch on): launches, GPU time and cycles at ncu's fixed clock,
+run profiled (from the last launch of the forward's vocabulary pass on): launches, GPU time and cycles at ncu's fixed clock,
 how busy the SMs were (where the run measured sm__cycles_active), DRAM bytes, and the rate of the
 matrix products in TFLOP/s where the kind's FLOPs are known. With
 --csv, appends the rows to a CSV (with the device, shape and source columns).
@@ -14,6 +14,10 @@ from pathlib import Path
 
 
 def kind(name):
+    if "StudentGradPass" in name:
+        return "top-K gradient pass (nitrobrew)"
+    if "StudentNormPass" in name:
+        return "top-K forward pass (nitrobrew)"
     if "GradPass" in name:
         return "gradient pass (nitrobrew)"
     if "KLPass" in name:
@@ -29,6 +33,7 @@ def kind(name):
 def flops(k, n, v, d_s, d_t):
     """FLOPs of a kind's products in one step, or None."""
     return {"gradient pass (nitrobrew)": 2 * n * v * (d_s + d_t), "KL pass (nitrobrew)": 2 * n * v * (d_s + d_t),
+            "top-K forward pass (nitrobrew)": 2 * n * v * d_s, "top-K gradient pass (nitrobrew)": 2 * n * v * d_s,
             "cuBLAS dxs": 2 * n * v * d_s, "cuBLAS dws": 2 * n * v * d_s}.get(k)
 
 
@@ -44,8 +49,9 @@ def main():
     start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
     head, data = rows[start], [r for r in rows[start + 2:] if len(r) > 4]  # a units row follows the header
     col = {c: head.index(c) for c in head}
-    last_kl = max(i for i, r in enumerate(data) if "KLPass" in r[col["Kernel Name"]])
-    data = data[last_kl:]
+    # A step starts with its forward's vocabulary pass (the KL pass, or the top-K loss's norm pass).
+    first = "KLPass" if any("KLPass" in r[col["Kernel Name"]] for r in data) else "StudentNormPass"
+    data = data[max(i for i, r in enumerate(data) if first in r[col["Kernel Name"]]):]
 
     def num(r, c):
         return float(r[col[c]].replace(",", "")) if c in col and r[col[c]] else 0.0

@@ -5,7 +5,9 @@
         python3 tools/profiling/profile_fused_linear.py --tokens 2048
 
 With --breakdown, prints the GPU time of each kernel of one forward + backward instead
-(torch.profiler), to see where the time goes. --forward-only leaves out the backward;
+(torch.profiler), to see where the time goes. With --topk K the step is nitrobrew.topk_kl
+(normalize="full") on the student's shape against the top-K of its own logits plus noise, as
+benchmarks/topk_linear.py's. --forward-only leaves out the backward;
 --repeats R also prints the median wall time of R runs and a checksum of the loss and the
 gradients (the inputs are seeded, so runs of kernel variants, which must not change the results,
 can be compared; tools/experiments/bench_experiments.sh does).
@@ -28,12 +30,18 @@ def main():
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--repeats", type=int, default=0)
+    parser.add_argument("--topk", type=int, default=0, help="K: profile nitrobrew.topk_kl instead")
     args = parser.parse_args()
     xs, xt, ws, wt = fused_linear_inputs.make_inputs(args)
     mode = "forward" if args.forward_only else "forward + backward"
+    if args.topk:
+        ids, lps = fused_linear_inputs.teacher_topk(xs, ws, args.topk)
 
     def step():
-        loss = nitrobrew.forward_kl(xs, xt, ws, wt)
+        if args.topk:
+            loss = nitrobrew.topk_kl(xs, ws, ids, lps)
+        else:
+            loss = nitrobrew.forward_kl(xs, xt, ws, wt)
         if not args.forward_only:
             loss.backward()
         return loss
