@@ -32,6 +32,20 @@ COLUMNS = ["date", "device", "torch", "cuda", "method", "normalize", "K", "mode"
            "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm"]
 
 
+def teacher_topk(xs, ws, k, block=1024):
+    """A teacher's top-K ids and float32 log-probabilities: those of the student's logits plus unit
+    noise, computed `block` rows at a time (never the whole [N, V])."""
+    n = xs.shape[0]
+    ids = torch.empty(n, k, dtype=torch.int64, device=xs.device)
+    lps = torch.empty(n, k, dtype=torch.float32, device=xs.device)
+    with torch.no_grad():
+        for r in range(0, n, block):
+            z = (xs[r:r + block] @ ws.T).float()
+            z += torch.randn_like(z)
+            lps[r:r + block], ids[r:r + block] = torch.log_softmax(z, -1).topk(k, dim=-1)
+    return ids, lps
+
+
 def naive_topk(xs, ws, ids, lps, normalize):
     s = (xs @ ws.T).float()
     if normalize == "full":
@@ -128,14 +142,7 @@ def main():
         free_device_memory(device)
         print(f"gemm {mode}: {row['median_ms']:.2f} ms")
     for k in args.topk:
-        with torch.no_grad():  # a teacher's top-K: the student's logits perturbed, row chunk by row chunk
-            ids = torch.empty(n, k, dtype=torch.int64, device=device)
-            lps = torch.empty(n, k, dtype=torch.float32, device=device)
-            for r in range(0, n, 1024):
-                z = (xs[r:r + 1024] @ ws.T).float()
-                z += torch.randn_like(z)
-                lps[r:r + 1024], ids[r:r + 1024] = torch.log_softmax(z, -1).topk(k, dim=-1)
-            del z
+        ids, lps = teacher_topk(xs, ws, k)
         for normalize in ("full", "topk"):
             for mode in ("forward", "fwd_bwd"):
                 for method in args.methods:

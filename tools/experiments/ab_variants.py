@@ -112,19 +112,12 @@ def fused_linear_llama_problem(n: int, causal: bool, peers: bool):
 
 
 def topk_linear_problem(n: int, k: int, peers: bool, vocab=152064, d=3584):
-    from topk_linear import gemm_run  # the benchmark's cuBLAS floor
+    from topk_linear import gemm_run, teacher_topk  # the benchmark's cuBLAS floor and teacher
 
     torch.manual_seed(0)
     xs = torch.randn(n, d, device="cuda").to(torch.bfloat16).requires_grad_()
     ws = (torch.randn(vocab, d, device="cuda") * (3.0 / d**0.5)).to(torch.bfloat16).requires_grad_()
-    with torch.no_grad():  # as the benchmark: the top-K of the student's logits plus noise
-        ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
-        lps = torch.empty(n, k, device="cuda")
-        for r in range(0, n, 1024):
-            z = (xs[r:r + 1024] @ ws.T).float()
-            z += torch.randn_like(z)
-            lps[r:r + 1024], ids[r:r + 1024] = torch.log_softmax(z, -1).topk(k, dim=-1)
-        del z
+    ids, lps = teacher_topk(xs, ws, k)  # as the benchmark: the top-K of the student's logits plus noise
     others = {"cublas_gemms": (gemm_run(xs.detach(), ws.detach(), "forward"),
                                gemm_run(xs.detach(), ws.detach(), "fwd_bwd"))}
     return (others, torch.no_grad()(lambda: nitrobrew.topk_kl(xs, ws, ids, lps, reduction="none")),

@@ -1,5 +1,5 @@
-"""The fused-linear profiling tools' problem: shape arguments (the Qwen reference shape by default),
-seeded bf16 inputs whose logits have unit scale, and a top-K teacher for the top-K loss."""
+"""The fused-linear profiling tools' problem: shape arguments (the Qwen reference shape by default) and
+seeded bf16 inputs whose logits have unit scale."""
 
 import torch
 
@@ -21,16 +21,3 @@ def make_inputs(args, device="cuda"):
     wt = torch.randn(args.vocab, args.d_teacher, **kw) / args.d_teacher**0.5
     return xs, xt, ws, wt
 
-
-def teacher_topk(xs, ws, k, block=1024):
-    """A teacher's top-K ids and log-probabilities: those of the student's logits plus unit noise
-    (benchmarks/topk_linear.py's), computed 1024 rows at a time."""
-    n = xs.shape[0]
-    ids = torch.empty(n, k, dtype=torch.int64, device=xs.device)
-    lps = torch.empty(n, k, device=xs.device)
-    with torch.no_grad():
-        for r in range(0, n, block):
-            z = (xs[r:r + block] @ ws.T).float()
-            z += torch.randn_like(z)
-            lps[r:r + block], ids[r:r + block] = torch.log_softmax(z, -1).topk(k, dim=-1)
-    return ids, lps

@@ -1,8 +1,8 @@
 """Sums an `ncu --csv --page raw` run of backward_budget.sh per kernel kind, over the last step the
-run profiled (from the last launch of the forward's vocabulary pass on): launches, GPU time and cycles at ncu's fixed clock,
-how busy the SMs were (where the run measured sm__cycles_active), DRAM bytes, and the rate of the
-matrix products in TFLOP/s where the kind's FLOPs are known. With
---csv, appends the rows to a CSV (with the device, shape and source columns).
+run profiled (from the last launch of the forward's vocabulary pass on): launches, GPU time and
+cycles at ncu's fixed clock, how busy the SMs were (where the run measured sm__cycles_active), DRAM
+bytes, and the rate of the matrix products in TFLOP/s where the kind's FLOPs are known. With --out,
+appends the rows to a CSV (with the device, shape and source columns).
 
     python3 tools/profiling/ncu_step_summary.py ncu_qwen.csv --shape 8192,152064,3584,5120
 """
@@ -23,7 +23,7 @@ def kind(name):
     if "KLPass" in name:
         return "KL pass (nitrobrew)"
     if "CUDAFunctor_add" in name:
-        return "gradient accumulation (the tool's second step; not in a step after zero_grad)"
+        return "gradient accumulation into .grad (a run that did not reset gradients between its steps)"
     if "nvjet" in name or "gemm" in name.lower():
         # The backward's products by cuBLAS: dxs += dz . ws_chunk (beta = 1: "badd"), dws_chunk = dz^T . (g xs).
         return "cuBLAS dxs" if "badd" in name else "cuBLAS dws"
@@ -86,7 +86,7 @@ def main():
                 w.writeheader()
             for o in out:
                 w.writerow(dict(date=datetime.date.today().isoformat(), device=args.device,
-                                source="ncu --clock-control base, every kernel of one forward + backward",
+                                source="ncu --clock-control base: every kernel of the last profiled forward + backward",
                                 N=n, V=v, Ds=d_s, Dt=d_t, **o))
 
 
