@@ -38,7 +38,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_bwd_cuda(
   const FusedLinearPasses passes(in, p);
   // The chunk holds dLoss/d(scale * (x . w^T + bias)); the scale's factor rides on g.
   const at::Tensor g = p.logit_scale_s == 1.0 ? grad_loss : grad_loss * p.logit_scale_s;
-  return chunked_matrix_grads(g, in.xs, in.ws, p.vocab_size, /*max_chunk_cols=*/0, compute_dxs, compute_dws,
+  const int64_t chunk_cols =
+      passes.grad_chunk_cols(grad_chunk_cap(p.num_rows, in.xs.element_size(), p.vocab_size, /*max_chunk_cols=*/0));
+  return chunked_matrix_grads(g, in.xs, in.ws, p.vocab_size, chunk_cols, compute_dxs, compute_dws,
                               compute_dbias_s && bias_s.has_value(),
                               [&](int64_t c0, int64_t cols, at::Tensor& dz) { passes.grad_pass(row_stats, c0, cols, dz); });
 }

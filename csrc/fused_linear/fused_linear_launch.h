@@ -40,6 +40,8 @@ class FusedLinearPasses {
   // the inputs' dtype); masked rows and padded entries get 0. chunk_begin must be a multiple
   // of kGradChunkAlign.
   void grad_pass(const at::Tensor& row_stats, int64_t chunk_begin, int64_t chunk_cols, at::Tensor& grad_chunk) const;
+  // The backward's chunk width for a cap of max_cols (VocabWalk::grad_chunk_cols).
+  int64_t grad_chunk_cols(int64_t max_cols) const { return walk_.grad_chunk_cols(max_cols); }
 
  private:
   FusedLinearOperands in_;

@@ -345,7 +345,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_linear_bwd_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     );
   };
-  return chunked_matrix_grads(grad_loss, in.xs, in.ws, p.vocab_size, p.chunk_v, compute_dxs, compute_dws,
+  const int64_t chunk_cols =
+      passes.grad_chunk_cols(grad_chunk_cap(p.num_rows, in.xs.element_size(), p.vocab_size, p.chunk_v));
+  return chunked_matrix_grads(grad_loss, in.xs, in.ws, p.vocab_size, chunk_cols, compute_dxs, compute_dws,
                               compute_dbias, fill);
 }
 

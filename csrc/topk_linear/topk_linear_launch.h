@@ -31,6 +31,8 @@ class StudentPasses {
   // [chunk_begin, chunk_begin + chunk_cols) into grad_chunk, as FusedLinearPasses::grad_pass.
   void student_grad_pass(const at::Tensor& grad_rows, int64_t chunk_begin, int64_t chunk_cols,
                          at::Tensor& grad_chunk) const;
+  // The backward's chunk width for a cap of max_cols (VocabWalk::grad_chunk_cols).
+  int64_t grad_chunk_cols(int64_t max_cols) const { return walk_.grad_chunk_cols(max_cols); }
 
  private:
   FusedLinearOperands in_;

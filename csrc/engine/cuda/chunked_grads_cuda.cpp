@@ -46,9 +46,16 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 }  // namespace
 
+int64_t grad_chunk_cap(int64_t n, int64_t elem, int64_t vocab_size, int64_t max_chunk_cols) {
+  int64_t chunk = std::max<int64_t>(kGradChunkAlign,
+                                    kChunkBytes / std::max<int64_t>(n * elem, 1) / kGradChunkAlign * kGradChunkAlign);
+  if (max_chunk_cols > 0) chunk = std::min(chunk, round_up(max_chunk_cols, kGradChunkAlign));
+  return std::min(chunk, round_up(std::max<int64_t>(vocab_size, 1), kGradChunkAlign));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked_matrix_grads(const at::Tensor& grad_loss, const at::Tensor& xs,
                                                                     const at::Tensor& ws, int64_t vocab_size,
-                                                                    int64_t max_chunk_cols, bool compute_dxs,
+                                                                    int64_t chunk_cols, bool compute_dxs,
                                                                     bool compute_dws, bool compute_dbias,
                                                                     const FillGradChunk& fill) {
   const int64_t n = xs.size(0), hidden = xs.size(1), elem = xs.element_size();
@@ -75,10 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked_matrix_grads(const at::Te
     g_low = grad_loss.to(dtype).contiguous();
     dbias_acc = at::zeros({ws.size(0)}, xs.options().dtype(at::kFloat));
   }
-  int64_t chunk = std::max<int64_t>(kGradChunkAlign,
-                                    kChunkBytes / std::max<int64_t>(n * elem, 1) / kGradChunkAlign * kGradChunkAlign);
-  if (max_chunk_cols > 0) chunk = std::min(chunk, round_up(max_chunk_cols, kGradChunkAlign));
-  chunk = std::min(chunk, round_up(vocab_size, kGradChunkAlign));
+  TORCH_CHECK(chunk_cols > 0 && chunk_cols % kGradChunkAlign == 0, "nitrobrew: bad backward chunk width ", chunk_cols);
+  const int64_t chunk = std::min(chunk_cols, round_up(vocab_size, kGradChunkAlign));
   at::Tensor dz = at::empty({n, chunk}, xs.options());
   for (int64_t c0 = 0; n > 0 && (compute_dxs || compute_dws || compute_dbias) && c0 < vocab_size; c0 += chunk) {
     const int64_t cols = std::min(chunk, vocab_size - c0);

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace nitrobrew {
 namespace cuda {
@@ -39,10 +40,13 @@ int64_t mma_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
 
 // wgmma path: one block per SM, so the split count (at least min_splits) is picked to balance
 // the waves: it minimizes (waves of blocks) x (tiles per block + a block's small fixed cost).
-int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_splits) {
+struct WgmmaSplit {
+  int64_t tiles_per_split, waves;
+};
+WgmmaSplit wgmma_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_splits) {
   const int64_t sms = multiprocessor_count();
   min_splits = std::min(min_splits, vocab_tiles);
-  int64_t best = 1;
+  WgmmaSplit best{1, 0};
   double best_cost = 1e300;
   for (int64_t per = 1; per <= vocab_tiles; ++per) {
     const int64_t splits = (vocab_tiles + per - 1) / per;
@@ -52,7 +56,7 @@ int64_t wgmma_tiles_per_split(int64_t row_blocks, int64_t vocab_tiles, int64_t m
     const double cost = double(waves) * (double(per) + 0.05);
     if (cost < best_cost) {
       best_cost = cost;
-      best = per;
+      best = {per, waves};
     }
   }
   return best;
@@ -66,7 +70,7 @@ LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end, b
   const int64_t min_splits = for_grad ? kGradMinSplits : 1;
   const int64_t group = for_grad ? std::max<int64_t>(1, multiprocessor_count() / kGradMinSplits) : kGroupRowBlocks;
   const int64_t per = path == KernelPath::kWgmma
-                          ? wgmma_tiles_per_split((rows + hopper::kRows - 1) / hopper::kRows, tiles, min_splits)
+                          ? wgmma_split((rows + hopper::kRows - 1) / hopper::kRows, tiles, min_splits).tiles_per_split
                           : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
   return {VocabSchedule{first, end, per}, (tiles + per - 1) / per, group};
 }
@@ -95,6 +99,41 @@ VocabWalk::VocabWalk(const at::Tensor& xs, const at::Tensor& xt, const at::Tenso
 LaunchPlan VocabWalk::forward_plan() const {
   const int64_t tiles = (vocab_size_ + tile_cols_ - 1) / tile_cols_;
   return LaunchPlan{VocabSchedule{0, tiles, forward_tiles_per_split_}, forward_splits_, kGroupRowBlocks};
+}
+
+int64_t VocabWalk::grad_chunk_cols(int64_t max_cols) const {
+  max_cols = std::max(kGradChunkAlign, max_cols / kGradChunkAlign * kGradChunkAlign);
+#ifdef NITROBREW_DEV_KNOBS
+  // Development builds only (docs/development.md): a fixed width, for A/B runs of the choice below.
+  if (const char* env = std::getenv("NITROBREW_GRAD_CHUNK_COLS")) {
+    const int64_t cols = std::atoll(env);
+    if (cols > 0) return std::max(kGradChunkAlign, cols / kGradChunkAlign * kGradChunkAlign);
+  }
+#endif
+  if (path_ != KernelPath::kWgmma || num_rows_ == 0) return max_cols;
+  // Every width from max_cols down to half of it, costed as the SM time its launches hold (their
+  // waves x tiles per block, idle SMs included) plus a launch's fixed cost (its gaps, the cuBLAS
+  // products' start). E.g. at N = 8192 on 132 SMs, 64 row blocks x 33 tiles (8448 columns) are 16
+  // whole waves, and 33 tiles divide the Qwen vocabulary 18 times, where 48 tiles (the budget's
+  // 12288 columns) ended each launch in a wave 82% full: forward + backward ran 3-4% faster so
+  // (H100, Qwen and Llama-3 shapes; docs/notes/fused_linear_backward.md).
+  constexpr double kLaunchCost = 0.1;  // in tile times (a tile: ~100 us on an H100 at D = 8704)
+  const int64_t row_blocks = (num_rows_ + hopper::kRows - 1) / hopper::kRows;
+  int64_t best = max_cols;
+  double best_cost = 1e300;
+  for (int64_t cols = max_cols; cols >= std::max(kGradChunkAlign, max_cols / 2); cols -= kGradChunkAlign) {
+    double cost = 0;
+    for (int64_t c0 = 0; c0 < vocab_size_; c0 += cols) {
+      const int64_t tiles = (std::min(cols, vocab_size_ - c0) + tile_cols_ - 1) / tile_cols_;
+      const WgmmaSplit split = wgmma_split(row_blocks, tiles, kGradMinSplits);
+      cost += double(split.waves * split.tiles_per_split) + kLaunchCost;
+    }
+    if (cost < best_cost - 1e-9) {  // ties keep the wider chunk: fewer launches
+      best_cost = cost;
+      best = cols;
+    }
+  }
+  return best;
 }
 
 LaunchPlan VocabWalk::grad_plan(int64_t chunk_begin, int64_t chunk_cols, const at::Tensor& grad_chunk) const {

@@ -38,6 +38,10 @@ class VocabWalk {
   // The plan of a backward pass over vocabulary entries [chunk_begin, chunk_begin + chunk_cols)
   // into grad_chunk ([N, >= chunk_cols], row-major; chunk_begin a multiple of kGradChunkAlign).
   LaunchPlan grad_plan(int64_t chunk_begin, int64_t chunk_cols, const at::Tensor& grad_chunk) const;
+  // The width of the backward's vocabulary chunks, a multiple of kGradChunkAlign and at most
+  // max_cols (grad_chunk_cap): the one whose gradient-pass launches leave the fewest SMs idle
+  // over the whole vocabulary.
+  int64_t grad_chunk_cols(int64_t max_cols) const;
 
   // Runs Pass over the plan's tiles on the current stream.
   template <typename T, typename Pass>
