@@ -43,8 +43,7 @@ int64_t mma_tiles_per_split(int64_t row_tiles, int64_t vocab_tiles) {
 struct WgmmaSplit {
   int64_t tiles_per_split, waves;
 };
-WgmmaSplit wgmma_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_splits) {
-  const int64_t sms = multiprocessor_count();
+WgmmaSplit wgmma_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_splits, int64_t sms) {
   min_splits = std::min(min_splits, vocab_tiles);
   WgmmaSplit best{1, 0};
   double best_cost = 1e300;
@@ -67,11 +66,11 @@ WgmmaSplit wgmma_split(int64_t row_blocks, int64_t vocab_tiles, int64_t min_spli
 LaunchPlan plan_for(KernelPath path, int64_t rows, int64_t first, int64_t end, bool for_grad) {
   const int64_t tiles = std::max<int64_t>(end - first, 1);
   rows = std::max<int64_t>(rows, 1);  // an empty batch launches nothing, but is planned
-  const int64_t min_splits = for_grad ? kGradMinSplits : 1;
-  const int64_t group = for_grad ? std::max<int64_t>(1, multiprocessor_count() / kGradMinSplits) : kGroupRowBlocks;
-  const int64_t per = path == KernelPath::kWgmma
-                          ? wgmma_split((rows + hopper::kRows - 1) / hopper::kRows, tiles, min_splits).tiles_per_split
-                          : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
+  const int64_t min_splits = for_grad ? kGradMinSplits : 1, sms = multiprocessor_count();
+  const int64_t group = for_grad ? std::max<int64_t>(1, sms / kGradMinSplits) : kGroupRowBlocks;
+  const int64_t row_blocks = (rows + hopper::kRows - 1) / hopper::kRows;
+  const int64_t per = path == KernelPath::kWgmma ? wgmma_split(row_blocks, tiles, min_splits, sms).tiles_per_split
+                                                 : mma_tiles_per_split((rows + kTileRows - 1) / kTileRows, tiles);
   return {VocabSchedule{first, end, per}, (tiles + per - 1) / per, group};
 }
 
@@ -118,14 +117,14 @@ int64_t VocabWalk::grad_chunk_cols(int64_t max_cols) const {
   // 12288 columns) ended each launch in a wave 82% full: forward + backward ran 3-4% faster so
   // (H100, Qwen and Llama-3 shapes; docs/notes/fused_linear_backward.md).
   constexpr double kLaunchCost = 0.1;  // in tile times (a tile: ~100 us on an H100 at D = 8704)
-  const int64_t row_blocks = (num_rows_ + hopper::kRows - 1) / hopper::kRows;
+  const int64_t row_blocks = (num_rows_ + hopper::kRows - 1) / hopper::kRows, sms = multiprocessor_count();
   int64_t best = max_cols;
   double best_cost = 1e300;
   for (int64_t cols = max_cols; cols >= std::max(kGradChunkAlign, max_cols / 2); cols -= kGradChunkAlign) {
     double cost = 0;
     for (int64_t c0 = 0; c0 < vocab_size_; c0 += cols) {
       const int64_t tiles = (std::min(cols, vocab_size_ - c0) + tile_cols_ - 1) / tile_cols_;
-      const WgmmaSplit split = wgmma_split(row_blocks, tiles, kGradMinSplits);
+      const WgmmaSplit split = wgmma_split(row_blocks, tiles, kGradMinSplits, sms);
       cost += double(split.waves * split.tiles_per_split) + kLaunchCost;
     }
     if (cost < best_cost - 1e-9) {  // ties keep the wider chunk: fewer launches
