@@ -163,16 +163,18 @@ def test_tensor_core_kernels_several_tiles_per_block(kernel_family, beta):
 
 
 @DEV_BUILD
-@pytest.mark.parametrize("n,v,cols", [(300, 3001, "768"), (400, 20011, "9984")])
+@pytest.mark.parametrize("n,v,cols,chunks", [(300, 3001, "768", 4), (400, 20011, "9984", 3)])
 @pytest.mark.parametrize("beta", BETAS)
-def test_tensor_core_kernels_backward_in_chunks(kernel_family, monkeypatch, n, v, cols, beta):
+def test_tensor_core_kernels_backward_in_chunks(kernel_family, monkeypatch, n, v, cols, chunks, beta):
     # The backward's vocabulary chunks, forced narrow (a development build's switch), each a
     # gradient-pass launch whose dLoss/dz cuBLAS adds into dxs and dws: V = 3001 in 4 chunks of 768
-    # (the last 697 wide, its last tile partial), and V = 20011 in 2 of 9984 (39 tiles, several per
-    # block) and one of 43.
+    # (the last 697 wide, its last tile partial), and V = 20011 in 2 of 9984 (39 tiles of 256 on
+    # sm_90a, 156 of 64 on sm_80; 2 per block either way) and one of 43.
     monkeypatch.setenv("NITROBREW_GRAD_CHUNK_COLS", cols)
     xs, xt, ws, wt, labels = make_problem(n=n, v=v, d_s=72, d_t=104, dtype=torch.bfloat16, device="cuda",
                                           masked=True)
+    names = launched_kernels(lambda: run_loss(xs, xt, ws, wt))
+    assert sum("GradPass" in name for name in names) == chunks, names
     bias_s, _ = make_biases(ws, wt, scale=2.0)
     check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.2, bias_s=bias_s, reduction="none")
 

@@ -15,8 +15,8 @@ namespace cuda {
 using FillGradChunk = std::function<void(int64_t chunk_begin, int64_t chunk_cols, at::Tensor& dz)>;
 
 // The widest backward chunk within the memory budget (~192 MiB of dz in xs's dtype) and
-// max_chunk_cols when that is > 0, at least one tile and no wider than the vocabulary, a multiple
-// of kGradChunkAlign: what a pass's grad_chunk_cols may choose from.
+// max_chunk_cols when that is > 0, a multiple of kGradChunkAlign: at least one alignment and at
+// most the vocabulary rounded up to it. What a pass's grad_chunk_cols may choose from.
 int64_t grad_chunk_cap(int64_t n, int64_t elem, int64_t vocab_size, int64_t max_chunk_cols);
 
 // Walks the first vocab_size rows of ws in chunks of chunk_cols (a multiple of kGradChunkAlign,

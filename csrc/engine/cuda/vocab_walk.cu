@@ -114,7 +114,7 @@ int64_t VocabWalk::grad_chunk_cols(int64_t max_cols) const {
   // waves x tiles per block, idle SMs included) plus a launch's fixed cost (its gaps, the cuBLAS
   // products' start). E.g. at N = 8192 on 132 SMs, 64 row blocks x 33 tiles (8448 columns) are 16
   // whole waves, and 33 tiles divide the Qwen vocabulary 18 times, where 48 tiles (the budget's
-  // 12288 columns) ended each launch in a wave 82% full: forward + backward ran 3-4% faster so
+  // 12288 columns) ended each launch in a wave 82% full: forward + backward ran 1.3-4.6% faster so
   // (H100, Qwen and Llama-3 shapes; docs/notes/fused_linear_backward.md).
   constexpr double kLaunchCost = 0.1;  // in tile times (a tile: ~100 us on an H100 at D = 8704)
   const int64_t row_blocks = (num_rows_ + hopper::kRows - 1) / hopper::kRows, sms = multiprocessor_count();

@@ -40,7 +40,7 @@ class VocabWalk {
   LaunchPlan grad_plan(int64_t chunk_begin, int64_t chunk_cols, const at::Tensor& grad_chunk) const;
   // The width of the backward's vocabulary chunks, a multiple of kGradChunkAlign and at most
   // max_cols (grad_chunk_cap): the one whose gradient-pass launches leave the fewest SMs idle
-  // over the whole vocabulary.
+  // over the whole vocabulary. (A development build's NITROBREW_GRAD_CHUNK_COLS overrides both.)
   int64_t grad_chunk_cols(int64_t max_cols) const;
 
   // Runs Pass over the plan's tiles on the current stream.
