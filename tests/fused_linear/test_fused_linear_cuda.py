@@ -179,6 +179,19 @@ def test_tensor_core_kernels_backward_in_chunks(kernel_family, monkeypatch, n, v
     check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.2, bias_s=bias_s, reduction="none")
 
 
+def test_sm90a_backward_chunks_fill_whole_waves(monkeypatch):
+    # The automatic chunk width (VocabWalk::grad_chunk_cols): at N = 8192 on 132 SMs the 192 MiB
+    # budget allows 12288 columns (13 launches, each ending in a partial wave); 8448 (33 tiles of
+    # 256; 64 row blocks x 33 = 16 whole waves) divides V = 152064 exactly, so 18 launches.
+    if not is_hopper() or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the widths are worked out for the sm_90a kernels on 132 SMs")
+    monkeypatch.delenv("NITROBREW_FORCE_SM80", raising=False)
+    monkeypatch.delenv("NITROBREW_GRAD_CHUNK_COLS", raising=False)
+    xs, xt, ws, wt, _ = make_problem(n=8192, v=152064, d_s=64, d_t=64, dtype=torch.bfloat16, device="cuda")
+    names = launched_kernels(lambda: run_loss(xs, xt, ws, wt))
+    assert sum("GradPass" in name for name in names) == 18, names
+
+
 def test_tensor_core_kernels_non_contiguous_rows(kernel_family):
     # Row strides larger than the row (slices of wider matrices) stay on the fast path when aligned;
     # the padding is NaN, so reading it (a wrong stride or extent) would show.
