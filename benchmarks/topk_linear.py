@@ -10,8 +10,10 @@ no_grad) or the loss and its gradients for xs and ws ("fwd_bwd"). Methods, in on
   naive       PyTorch: the logits xs @ ws.T (inputs' dtype), float32 log_softmax, gather, the K terms;
   gemm        the cuBLAS products the loss needs, alone: xs @ ws.T (forward), then dLoss/dz @ ws and
               dLoss/dz^T @ xs (fwd_bwd): the compute floor the target is a ratio to.
-Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB) and the
-ratio of the median to the gemm row's median of the same mode.
+Every (method, normalize, K, mode) is measured once per round, --rounds rounds one after another, so that
+a slow spell of a power-capped GPU falls on the gemm floor and the methods alike. Columns: the median of
+the rounds' medians of --repeats runs after --warmup, the fastest run, peak memory above the inputs
+(MiB), the ratio of the median to the gemm row's median of the same mode and the rounds' medians.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew
-from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
-from harness import save_figure, short_error, time_runs, write_csv
+from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, measure_rounds, memory_baseline
+from harness import peak_extra_mib, pyplot, save_figure, short_error, time_runs, write_csv
 
 COLUMNS = ["date", "device", "torch", "cuda", "method", "normalize", "K", "mode", "dtype", "N", "V", "D", "status",
-           "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm"]
+           "median_ms", "min_ms", "peak_extra_mib", "ratio_to_gemm", "rounds", "round_medians_ms"]
 
 
 def teacher_topk(xs, ws, k, block=1024):
@@ -121,6 +123,7 @@ def main():
     p.add_argument("--methods", nargs="+", choices=["nitrobrew", "naive"], default=["nitrobrew", "naive"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="measure every method this many times, one round after another")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -132,31 +135,33 @@ def main():
     today = datetime.date.today().isoformat()
     common = {"date": today, "device": device_name(device), "torch": torch.__version__,
               "cuda": torch.version.cuda or "", "dtype": args.dtype, "N": n, "V": v, "D": d}
-    rows, floor = [], {}
-    for mode in ("forward", "fwd_bwd"):
-        row = {**common, "method": "gemm", "normalize": "", "K": "", "mode": mode}
-        row.update(measure("gemm", None, mode, xs, ws, None, None, args))
-        floor[mode] = row["median_ms"]
-        row["ratio_to_gemm"] = 1.0
+    teachers = {k: teacher_topk(xs, ws, k) for k in args.topk}
+    specs = [{"method": "gemm", "normalize": "", "K": "", "mode": mode} for mode in ("forward", "fwd_bwd")]
+    specs += [{"method": method, "normalize": normalize, "K": k, "mode": mode} for k in args.topk
+              for normalize in ("full", "topk") for mode in ("forward", "fwd_bwd") for method in args.methods]
+    for spec in specs:
+        spec["label"] = f"{spec['method']} {spec['normalize']} K={spec['K']} {spec['mode']}"
+
+    def measure_one(spec):
+        ids, lps = teachers.get(spec["K"], (None, None))
+        try:
+            return measure(spec["method"], spec["normalize"] or None, spec["mode"], xs, ws, ids, lps, args)
+        except OOM_ERROR as e:
+            return {"status": "oom", "error": short_error(e)}
+        finally:
+            free_device_memory(device)
+
+    results = measure_rounds(specs, measure_one, args.rounds)
+    floor = {spec["mode"]: result["median_ms"] for spec, result in zip(specs, results) if spec["method"] == "gemm"}
+    rows = []
+    for spec, result in zip(specs, results):
+        row = {**common, **{k: spec[k] for k in ("method", "normalize", "K", "mode")}, "rounds": args.rounds, **result}
+        if row["status"] == "ok":
+            row["ratio_to_gemm"] = row["median_ms"] / floor[spec["mode"]]
         rows.append(row)
-        free_device_memory(device)
-        print(f"gemm {mode}: {row['median_ms']:.2f} ms")
-    for k in args.topk:
-        ids, lps = teacher_topk(xs, ws, k)
-        for normalize in ("full", "topk"):
-            for mode in ("forward", "fwd_bwd"):
-                for method in args.methods:
-                    row = {**common, "method": method, "normalize": normalize, "K": k, "mode": mode}
-                    try:
-                        row.update(measure(method, normalize, mode, xs, ws, ids, lps, args))
-                        row["ratio_to_gemm"] = row["median_ms"] / floor[mode]
-                    except OOM_ERROR as e:
-                        row.update(status="oom", error=short_error(e))
-                    free_device_memory(device)
-                    rows.append(row)
-                    print(f"{method:9s} {normalize:4s} K={k:<4d} {mode:8s} {row['status']:4s} "
-                          f"{row.get('median_ms', float('nan')):8.2f} ms {row.get('ratio_to_gemm', float('nan')):6.2f}x "
-                          f"{row.get('peak_extra_mib', float('nan')):9.1f} MiB")
+        print(f"{row['method']:9s} {row['normalize']:4s} K={row['K']!s:<4s} {row['mode']:8s} {row['status']:4s} "
+              f"{row.get('median_ms', float('nan')):8.2f} ms {row.get('ratio_to_gemm', float('nan')):6.2f}x "
+              f"{row.get('peak_extra_mib', float('nan')):9.1f} MiB")
     out = args.out or Path(__file__).parent / "results" / f"topk_linear_{args.device}_{today}.csv"
     write_csv(out, COLUMNS, rows)
     plot(rows, out)
