@@ -108,4 +108,15 @@ for step in $steps; do
 done
 echo "== summary"
 printf '%s\n' "${summary[@]}"
+# The device tool brings back at most 8 files from $OUT: with more, the loose files go into one
+# tarball (a run of the default steps writes ~25 logs); tarballs of earlier calls stay as they are.
+# NITROBREW_PACK_OUT=0 keeps the files loose.
+shopt -s nullglob
+loose=() packs=()
+for f in "$OUT"/*; do case $f in *.tgz) packs+=("$f") ;; *) loose+=("$f") ;; esac; done
+if [ "${NITROBREW_PACK_OUT:-1}" = 1 ] && [ $(( ${#loose[@]} + ${#packs[@]} )) -gt 8 ]; then
+  packed="$OUT/check_out_$(date +%H%M%S).tgz"
+  tar czf "$packed" -C "$OUT" "${loose[@]#"$OUT"/}" && rm -rf "${loose[@]}" &&
+    echo "== ${#loose[@]} files packed into $packed"
+fi
 exit $status
