@@ -126,6 +126,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="measure every method this many times, one round after another")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.repeats < 1 or args.rounds < 1 or args.warmup < 0:
+        p.error("--repeats and --rounds must be at least 1, --warmup at least 0")
     device = torch.device(args.device)
     n, v, d = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)

@@ -53,6 +53,30 @@ def test_hf_step_benchmark_smoke(tmp_path):
     assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
 
 
+def test_topk_linear_benchmark_smoke(tmp_path):
+    # benchmarks/topk_linear.py on the CPU: the gemm floor and both methods measured once per round over 2
+    # rounds, every ratio taken to the floor of its mode; a bad --rounds is a usage error.
+    import csv
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "topk_linear.csv"
+    script = str(ROOT / "benchmarks" / "topk_linear.py")
+    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "40,300,32", "--topk", "4",
+                             "--dtype", "float32", "--rounds", "2", "--repeats", "1", "--warmup", "0", "--out",
+                             str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 2 + 2 * 2 * 2 and all(row["status"] == "ok" for row in rows), rows
+    assert all(row["rounds"] == "2" and len(row["round_medians_ms"].split()) == 2 for row in rows), rows
+    floor = {row["mode"]: float(row["median_ms"]) for row in rows if row["method"] == "gemm"}
+    for row in rows:
+        assert abs(float(row["ratio_to_gemm"]) - float(row["median_ms"]) / floor[row["mode"]]) < 2e-3 * float(
+            row["ratio_to_gemm"]), row
+    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--rounds", "0"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr, bad.stderr
+
+
 def test_vocab_parallel_benchmark_smoke(tmp_path):
     # benchmarks/vocab_parallel.py over gloo on the CPU: 1 and 2 ranks, every method and mode measured, the
     # three whole-vocabulary losses equal on 2 ranks (Megatron's within its bf16-rounded logits), the CSV written.
