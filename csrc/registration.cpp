@@ -34,6 +34,23 @@ TORCH_LIBRARY(nitrobrew, m) {
       "float logit_scale_s, float logit_scale_t, int vocab_size, int chunk_v, bool compute_dxs, "
       "bool compute_dws, bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
 
+  // The training path's step over a chunk of rows (nitrobrew/_forward_grads.py): each row's loss [N]
+  // (float32, float64 for float64 inputs) and G = dLoss_n/dz [N, vocab_size] for every row, in the
+  // inputs' dtype on CUDA (the dtype of the tensor-core products that consume it) and in the
+  // accumulation dtype on the CPU, with a row stride of vocab_size rounded up to 8. G is scaled by the
+  // scalar tensor row_scale (the reduction's weight, in the loss's dtype, on the inputs' device) and
+  // logit_scale_s; masked rows hold 0.
+  // The logits' products are formed once, product_rows rows at a time, in the accumulation dtype.
+  m.def(
+      "fused_linear_grad_chunk(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
+      "Tensor? bias_t, Tensor row_scale, int ignore_index, str divergence, float beta, float temperature, "
+      "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
+      "int vocab_size, int product_rows) -> (Tensor, Tensor)");
+
+  // x * factor (a scalar tensor on x's device), computed in float32 (float64 for float64 x), in x's dtype:
+  // how the training path's backward scales its saved gradients by the upstream gradient.
+  m.def("scaled(Tensor x, Tensor factor) -> Tensor");
+
   // A vocabulary shard's forward (nitrobrew.distributed): ws, wt hold the shard's rows, labels are
   // local (a label outside [0, vocab_size) is another shard's: no column holds it, no error).
   // Without row_stats: pass 1's unfinished row states [N, 8] (PartialField in

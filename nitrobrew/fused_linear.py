@@ -10,9 +10,12 @@ logit multipliers), p = softmax(s) (student) and q = softmax(t) (teacher):
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
                  (beta = 0 is forward_kl, beta = 1 is reverse_kl)
 
-plus, with ce_weight > 0, ce_weight * cross_entropy of the student's logits at temperature 1 at labels[n]. The [tokens x vocab] logits are never written to memory: the kernels tile the
-vocabulary, reduce each tile into per-token running statistics and recompute the tiles in the
-backward pass. nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
+plus, with ce_weight > 0, ce_weight * cross_entropy of the student's logits at temperature 1 at labels[n].
+The [tokens x vocab] logits are never written to memory whole. Two paths compute them: the recompute path
+tiles the vocabulary, reduces each tile into per-token running statistics and recomputes the tiles in the
+backward pass; the training path (when autograd needs the gradients of a scalar loss) forms the
+gradients during the forward from token chunks whose logits are formed once (_forward_grads.py).
+nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, distributed
+from nitrobrew import _checks, _forward_grads, distributed
 from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
@@ -89,6 +92,8 @@ def _fused_linear_loss(
     logit_scale_s: float = 1.0,
     logit_scale_t: float = 1.0,
     process_group=None,
+    grad_in_forward: bool | None = None,
+    grad_chunk_mib: int | None = None,
 ) -> Tensor:
     """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
@@ -148,8 +153,14 @@ def _fused_linear_loss(
     softcap_s = _checks.optional_positive_number(softcap_s, "softcap_s")
     softcap_t = _checks.optional_positive_number(softcap_t, "softcap_t")
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
+    chunk_bytes = _forward_grads.chunk_budget_bytes(grad_chunk_mib)
+    train = _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
+        if grad_in_forward:
+            raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
+                                      "(process_group= or DTensor weights) yet; they take the recompute path "
+                                      "(grad_in_forward=None or False)")
         call = distributed.FusedLinearCall(
             divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
             _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
@@ -161,11 +172,14 @@ def _fused_linear_loss(
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
         _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
 
-    loss, _ = ops.fused_linear_fwd(
-        xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt, flat_labels, bias_s, bias_t, ignore_index,
-        divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size,
-        chunk_V or 0,
-    )
+    xs_2d, xt_2d = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
+    options = (ignore_index, divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
+               logit_scale_t, vocab_size)
+    if train:  # the gradients formed in the forward (_forward_grads.py)
+        needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+        return _forward_grads.FusedLinearForwardGrads.apply(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t,
+                                                            options, reduction, chunk_bytes, needs)
+    loss, _ = ops.fused_linear_fwd(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, *options, chunk_V or 0)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
 
 
@@ -189,6 +203,15 @@ Args:
     bias_s, bias_t: [V] lm_head biases (one entry per row of ws / wt), or None.
     logit_scale_s, logit_scale_t: positive multipliers of each model's logits, applied before the
         soft-cap (Cohere's logit_scale, 1 / Granite's logits_scaling); 1.0 = none.
+    grad_in_forward: None (automatic), True or False. The training path forms the gradients during the
+        forward from token chunks whose logits are formed once (four matrix products in all; the backward
+        only scales them by the upstream gradient); the recompute path saves per-row statistics and
+        recomputes the logits in the backward (six products, any per-token upstream gradient). The
+        training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
+        a graph for xs, ws or bias_s. Automatic: the training path on the CPU, the recompute path on CUDA
+        (where the training path is not faster yet: docs/performance.md).
+    grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
+        and its dLoss/dz. Larger chunks read and write dws fewer times.
     process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
         a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
         on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's

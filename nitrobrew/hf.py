@@ -171,7 +171,8 @@ def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor
 def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                       labels: Tensor | None = None, loss: str = "forward_kl", beta: float = 0.5,
                       temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
-                      vocab_size: int | None = None, ignore_index: int = -100, check: bool = True) -> Tensor:
+                      vocab_size: int | None = None, ignore_index: int = -100, check: bool = True,
+                      grad_in_forward: bool | None = None) -> Tensor:
     """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final
     hidden states and unembeddings: no [B, T, V] tensor is formed.
 
@@ -183,6 +184,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     vocab_size: the real vocabulary when the two lm_heads have different row counts (padding).
     check: verify once per model that its unembedding reproduces its own logits (a short forward of 8
     tokens); a family whose logit transform nitrobrew does not know raises instead of a wrong loss.
+    grad_in_forward: which path forms the gradients (nitrobrew.forward_kl's option; None: automatic).
     The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
@@ -204,7 +206,8 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     bias_t = None if u_t.bias is None else u_t.bias.to(h_s.dtype)
     options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
                    ce_weight=ce_weight, vocab_size=vocab_size, bias_s=u_s.bias, bias_t=bias_t,
-                   logit_scale_s=u_s.scale, logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap)
+                   logit_scale_s=u_s.scale, logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap,
+                   grad_in_forward=grad_in_forward)
     if loss == "jsd":
         return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
     fn = forward_kl if loss == "forward_kl" else reverse_kl

@@ -16,7 +16,8 @@ class DistillationLoss(nn.Module):
 
     `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd"; the keyword
     options are those of nitrobrew.forward_kl / reverse_kl / jsd (`beta` is used by "jsd" only;
-    `process_group`: the group over which ws and wt are vocabulary shards, nitrobrew.distributed).
+    `process_group`: the group over which ws and wt are vocabulary shards, nitrobrew.distributed;
+    `grad_in_forward`, `grad_chunk_mib`: the training path, which forms the gradients in the forward).
     """
 
     def __init__(
@@ -35,6 +36,8 @@ class DistillationLoss(nn.Module):
         logit_scale_s: float = 1.0,
         logit_scale_t: float = 1.0,
         process_group=None,
+        grad_in_forward: bool | None = None,
+        grad_chunk_mib: int | None = None,
     ):
         super().__init__()
         if loss not in _LOSSES:
@@ -51,10 +54,14 @@ class DistillationLoss(nn.Module):
         _checks.optional_positive_int(chunk_V, "chunk_V")
         _checks.positive_number(logit_scale_s, "logit_scale_s")
         _checks.positive_number(logit_scale_t, "logit_scale_t")
+        if grad_in_forward is not None and not isinstance(grad_in_forward, bool):
+            raise TypeError(f"grad_in_forward must be None (automatic), True or False, got {grad_in_forward!r}")
+        _checks.optional_positive_int(grad_chunk_mib, "grad_chunk_mib")
         self.options = dict(
             temperature=temperature, reduction=reduction, ignore_index=ignore_index, ce_weight=ce_weight,
             softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,
-            logit_scale_s=logit_scale_s, logit_scale_t=logit_scale_t,
+            logit_scale_s=logit_scale_s, logit_scale_t=logit_scale_t, grad_in_forward=grad_in_forward,
+            grad_chunk_mib=grad_chunk_mib,
         )
         self.process_group = process_group
 

@@ -103,14 +103,16 @@ def bias_gradient_k(x, k):
 
 
 def check_against_reference(xs, xt, ws, wt, *, beta, upstream=None, k=2.0, rel_floor=1e-6, loss_floor=0.0, chunk_V=None,
-                            **options):
+                            grad_in_forward=None, grad_chunk_mib=None, **options):
     """Values and gradients of nitrobrew vs the float64 oracle, with the same-precision
-    reference (float32 for float32/bf16/fp16 inputs, which nitrobrew accumulates in fp32)."""
+    reference (float32 for float32/bf16/fp16 inputs, which nitrobrew accumulates in fp32).
+    grad_in_forward, grad_chunk_mib: which path nitrobrew takes (None: the automatic choice)."""
     reduction = options.get("reduction", "mean")
     if upstream is None:
         shape = xs.shape[:-1] if reduction == "none" else ()
         upstream = torch.randn(shape, dtype=torch.float64, device=xs.device)
-    ours = nitrobrew_values_and_grads(xs, xt, ws, wt, upstream, beta=beta, chunk_V=chunk_V, **options)
+    ours = nitrobrew_values_and_grads(xs, xt, ws, wt, upstream, beta=beta, chunk_V=chunk_V,
+                                      grad_in_forward=grad_in_forward, grad_chunk_mib=grad_chunk_mib, **options)
     oracle = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float64, beta=beta, **options)
     same_dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32
     if xs.device.type == "cuda" and xs.dtype in (torch.bfloat16, torch.float16):

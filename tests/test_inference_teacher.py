@@ -23,12 +23,12 @@ def _topk_logits(device):
     return [zs.to(device)], [ids.to(device), lps.to(device)], lambda s, t: nitrobrew.logits.topk_kl(s[0], *t)
 
 
-def _fused_linear(device):
+def _fused_linear(device, grad_in_forward=False):
     g = torch.Generator().manual_seed(2)
     student = [torch.randn(13, 24, generator=g), torch.randn(300, 24, generator=g) / 5]
     teacher = [torch.randn(13, 40, generator=g), torch.randn(300, 40, generator=g) / 6]
     return ([t.to(device) for t in student], [t.to(device) for t in teacher],
-            lambda s, t: nitrobrew.forward_kl(s[0], t[0], s[1], t[1]))
+            lambda s, t: nitrobrew.forward_kl(s[0], t[0], s[1], t[1], grad_in_forward=grad_in_forward))
 
 
 def _topk_linear(device):
@@ -59,8 +59,7 @@ def _held_tensors(loss):
     return held
 
 
-@pytest.mark.parametrize("make", [_logits, _topk_logits, _fused_linear, _topk_linear, _attention])
-def test_inference_mode_teacher_is_held_not_copied(make, device):
+def _losses_and_held(make, device):
     student, teacher, loss_fn = make(device)
     with torch.inference_mode():
         teacher_inference = [t.clone() for t in teacher]
@@ -71,12 +70,30 @@ def test_inference_mode_teacher_is_held_not_copied(make, device):
         held = _held_tensors(loss)
         grads = torch.autograd.grad(loss, leaves)
         results.append((loss.detach(), grads, held))
-    (loss, grads, held_plain), (loss_inf, grads_inf, held) = results
+    return teacher_inference, results
+
+
+def _assert_same_results(results):
+    (loss, grads, _), (loss_inf, grads_inf, _) = results
+    torch.testing.assert_close(loss_inf, loss, rtol=0, atol=0)
+    for g_inf, g in zip(grads_inf, grads):
+        torch.testing.assert_close(g_inf, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [_logits, _topk_logits, _fused_linear, _topk_linear, _attention])
+def test_inference_mode_teacher_is_held_not_copied(make, device):
+    teacher_inference, results = _losses_and_held(make, device)
+    (_, _, held_plain), (_, _, held) = results
     assert held_plain == []
     # Held as they are (views at most), not copied: the same memory as the caller's tensors.
     memory = {t.untyped_storage().data_ptr() for t in teacher_inference}
     assert held and all(h.untyped_storage().data_ptr() in memory for h in held)
     assert len(held) == len(teacher_inference)
-    torch.testing.assert_close(loss_inf, loss, rtol=0, atol=0)
-    for g_inf, g in zip(grads_inf, grads):
-        torch.testing.assert_close(g_inf, g, rtol=0, atol=0)
+    _assert_same_results(results)
+
+
+def test_training_path_holds_no_teacher_tensor(device):
+    # The training path forms the gradients in the forward: the teacher's tensors are done with then.
+    _, results = _losses_and_held(lambda d: _fused_linear(d, grad_in_forward=True), device)
+    assert all(held == [] for _, _, held in results)
+    _assert_same_results(results)

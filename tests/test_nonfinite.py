@@ -171,20 +171,46 @@ def test_topk_from_hidden_states(device, normalize, case):
 
 
 # ----------------------------------------------------------------------- fused-linear -----
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("beta", list(LINEAR_LOSSES))
-@pytest.mark.parametrize("case", ["nan in xs", "nan in xt", "+inf in xs"])
-def test_fused_linear(device, beta, case):
+def _linear_problem(case):
+    """Hidden states and unembeddings (float64) with row BAD of xs or xt spoiled as `case` says."""
     g = _generator()
     xs, xt = torch.randn(ROWS, D, generator=g, dtype=torch.float64), torch.randn(ROWS, D + 8, generator=g,
                                                                                    dtype=torch.float64)
     ws, wt = torch.randn(V, D, generator=g, dtype=torch.float64), torch.randn(V, D + 8, generator=g,
                                                                                dtype=torch.float64)
     {"nan in xs": xs, "nan in xt": xt, "+inf in xs": xs}[case][BAD, 1] = INF if "inf" in case else NAN
+    return xs, xt, ws, wt
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("beta", list(LINEAR_LOSSES))
+@pytest.mark.parametrize("case", ["nan in xs", "nan in xt", "+inf in xs"])
+def test_fused_linear(device, beta, case):
+    xs, xt, ws, wt = _linear_problem(case)
     check_against_reference(lambda a: LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
                                reduction="none"),
                             lambda a: reference.fused_linear(a, xt, ws, wt, beta=beta, reduction="none"),
                             xs, device, undefined=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("beta", list(LINEAR_LOSSES))
+@pytest.mark.parametrize("case", ["nan in xs", "nan in xt", "+inf in xs"])
+def test_fused_linear_training_path(device, beta, case):
+    # The training path's loss is a scalar: the spoiled row makes it NaN and its row of xs.grad
+    # non-finite, while the clean rows' gradients equal the reference's, as autograd of the reference
+    # gives them.
+    xs, xt, ws, wt = _linear_problem(case)
+    a = xs.float().to(device).requires_grad_()
+    loss = LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
+                               reduction="sum", grad_in_forward=True)
+    (grad,) = torch.autograd.grad(loss, a)
+    ref_in = xs.clone().requires_grad_()
+    (ref_grad,) = torch.autograd.grad(reference.fused_linear(ref_in, xt, ws, wt, beta=beta, reduction="sum"), ref_in)
+    clean = [n for n in range(ROWS) if n != BAD]
+    assert loss.isnan() and not grad[BAD].isfinite().all()
+    tol = _float_tol(device)
+    torch.testing.assert_close(grad[clean].cpu().double(), ref_grad[clean], rtol=tol, atol=tol)
 
 
 # ------------------------------------------- ids and labels out of range, checks skipped -----

@@ -38,10 +38,11 @@ def launched_kernels(fn):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def run_loss(xs, xt, ws, wt):
+def run_loss(xs, xt, ws, wt, grad_in_forward=False):
+    """A JSD training step, on the recompute path unless told otherwise."""
     xs = xs.detach().requires_grad_()
     ws = ws.detach().requires_grad_()
-    nitrobrew.jsd(xs, xt, ws, wt, beta=0.5).backward()
+    nitrobrew.jsd(xs, xt, ws, wt, beta=0.5, grad_in_forward=grad_in_forward).backward()
 
 
 @pytest.mark.parametrize("d_s", [64, 61])
@@ -200,3 +201,71 @@ def test_tensor_core_kernels_non_contiguous_rows(kernel_family):
     xs, ws = wide(xs), wide(ws)
     assert not xs.is_contiguous() and not ws.is_contiguous()
     check_against_reference(xs, xt, ws, wt, beta=1.0, reduction="mean")
+
+
+# ------------------------------------------------------------------------------ training path -----
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(
+    "beta,masked,ce_weight,softcap,padded",
+    [(beta, *rest) for beta in BETAS for rest in [(False, 0.0, False, False), (True, 0.5, True, True),
+                                                    (True, 0.0, False, True), (False, 0.5, True, False)]],
+)
+def test_training_path_every_option(kernel_family, dtype, reduction, beta, masked, ce_weight, softcap, padded):
+    # The gradients formed in the forward: 300 rows under a 1 MiB budget run in two chunks of dLoss/dz
+    # (195 + 105 rows) of 65-row steps of products (the last partial); V = 1001 divides no vector of 4,
+    # and padded weights (1030 rows) must not reach the loss or get a gradient.
+    rows = 1030 if padded else None
+    xs, xt, ws, wt, labels = make_problem(n=300, v=1001, d_s=200, d_t=136, dtype=dtype, device="cuda",
+                                          masked=masked, rows_s=rows, rows_t=rows)
+    bias_s, bias_t = make_biases(ws, wt, scale=2.0)
+    options = dict(reduction=reduction, labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
+                   temperature=1.5, vocab_size=1001 if padded else None, bias_s=bias_s, bias_t=bias_t,
+                   logit_scale_s=0.5 if padded else 1.0)
+    if softcap:
+        options.update(softcap_s=4.0, softcap_t=6.0)
+    check_against_reference(xs, xt, ws, wt, beta=beta, grad_in_forward=True, grad_chunk_mib=1, **options)
+
+
+@pytest.mark.parametrize("layout", ["block", pytest.param("staged", marks=DEV_BUILD)])
+@pytest.mark.parametrize("v", [3001, 5001, 12001, 40009, 152067])
+@pytest.mark.parametrize("beta", BETAS)
+def test_training_path_row_layouts(kernel_family, monkeypatch, layout, v, beta):
+    # The row kernel's layouts: a block per row (the default), or (development builds, Hopper) a cluster
+    # of blocks per row, each staging its slice in shared memory and merging through distributed shared
+    # memory: 1 to 16 blocks as the row grows. Masked rows, the CE add-on's label in any slice, a bias.
+    if layout == "staged":
+        monkeypatch.setenv("NITROBREW_ROWS_STAGED", "1")
+    xs, xt, ws, wt, labels = make_problem(n=97, v=v, d_s=64, d_t=48, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    bias_s, _ = make_biases(ws, wt, scale=2.0)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.3, bias_s=bias_s,
+                            reduction="mean", grad_in_forward=True)
+    names = launched_kernels(lambda: run_loss(xs, xt, ws, wt, grad_in_forward=True))
+    assert sum("product_rows_kernel" in name for name in names) == 1, names
+    assert not any("hopper_logit_kernel" in name or "mma_logit_kernel" in name for name in names), names
+
+
+@pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (10.0, 3.0), (1.0, 3000.0)])
+@pytest.mark.parametrize("beta", BETAS)
+def test_training_path_extreme_temperatures_and_logits(kernel_family, temperature, scale, beta):
+    xs, xt, ws, wt, labels = make_problem(n=150, v=4999, d_s=64, d_t=128, dtype=torch.bfloat16, device="cuda",
+                                          scale=scale, masked=True)
+    check_against_reference(xs, xt, ws, wt, beta=beta, temperature=temperature, labels=labels, ce_weight=0.1,
+                            reduction="sum", grad_in_forward=True)
+
+
+def test_training_path_launches_by_chunk():
+    # 1000 rows, V = 20011, 8 MiB: steps of products of 26 rows (2 x 4 x 20016 bytes each), chunks of
+    # dLoss/dz as long as the rest allows; every step is one row-kernel launch and two products.
+    xs, xt, ws, wt, labels = make_problem(n=1000, v=20011, d_s=64, d_t=64, dtype=torch.bfloat16, device="cuda",
+                                          masked=True)
+    from nitrobrew._forward_grads import plan_chunks
+
+    plan = plan_chunks(1000, 20011, product_bytes=8, grad_bytes=2, budget=8 << 20)
+    steps = sum(-(-min(plan.grad_rows, 1000 - b0) // plan.product_rows) for b0 in range(0, 1000, plan.grad_rows))
+    assert steps > 1 and plan.grad_rows < 1000, plan
+    xs_ = xs.detach().requires_grad_()
+    names = launched_kernels(lambda: nitrobrew.forward_kl(xs_, xt, ws, wt, labels=labels, grad_in_forward=True,
+                                                          grad_chunk_mib=8).backward())
+    assert sum("product_rows_kernel" in name for name in names) == steps, names

@@ -82,16 +82,19 @@ def test_torch_compile_dynamic_with_default_options(device):
     torch.testing.assert_close(compiled(xs, ws), step(xs, ws))
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])  # the recompute path, the training path
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
-def test_torch_compile_fullgraph_with_backward(device, beta, dynamic):
+def test_torch_compile_fullgraph_with_backward(device, beta, dynamic, grad_in_forward):
+    torch._dynamo.reset()  # each case's `step` is the same code object: no recompile limit across cases
     xs, xt, ws, wt, labels = make_problem(n=33, v=300, device=device, masked=True)
 
     bias_s, bias_t = make_biases(ws, wt)
 
     def step(xs, xt, ws, wt, labels, bias_s):
         loss = nitrobrew_loss(xs, xt, ws, wt, beta=beta, labels=labels, temperature=2.0, ce_weight=0.1,
-                              bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.5, logit_scale_t=1.5)
+                              bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.5, logit_scale_t=1.5,
+                              grad_in_forward=grad_in_forward)
         return loss * 2.0
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
@@ -120,32 +123,38 @@ def test_module(device, loss_name, beta):
         nitrobrew.DistillationLoss("jsd", beta=2.0)
 
 
-def test_no_buffer_of_tokens_times_vocab_is_allocated():
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_no_buffer_of_tokens_times_vocab_is_allocated(grad_in_forward):
     # With 512 tokens and a 20000-entry vocabulary the logits would take 39 MiB per model in
-    # float32; the CPU kernel's working set is bounded by its tiles (here 512 x 256).
+    # float32. The recompute path's working set is bounded by its tiles (here 512 x 256); the training
+    # path's by grad_chunk_mib (here 4 MiB: its products and dLoss/dz of a few dozen tokens at a time).
     n, v = 512, 20000
     xs, xt, ws, wt, labels = make_problem(n=n, v=v, d_s=16, d_t=8, masked=True)
     xs.requires_grad_()
     ws.requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, ce_weight=0.5, chunk_V=256)
+        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, ce_weight=0.5, chunk_V=256, grad_in_forward=grad_in_forward,
+                             grad_chunk_mib=4)
         loss.backward()
     allocations = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocations, "the profiler recorded no allocation: the test would be vacuous"
     largest = max(allocations)
     assert largest < n * v * 4 / 8, f"an allocation of {largest} bytes is O(N x V)"
     assert largest >= ws.numel() * 4, "dws itself ([V, D_s]) should be among the allocations seen"
+    if grad_in_forward:
+        assert largest <= 4 << 20, f"an allocation of {largest} bytes is over grad_chunk_mib"
 
 
 @CUDA
-def test_cuda_graph_capture_of_forward_and_backward():
-    # No host synchronization inside the ops: a whole step can be captured and replayed.
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_cuda_graph_capture_of_forward_and_backward(grad_in_forward):
+    # No host synchronization inside the ops, on either path: a whole step can be captured and replayed.
     xs, xt, ws, wt, labels = make_problem(device="cuda", dtype=torch.bfloat16, masked=True)
     xs.requires_grad_()
     ws.requires_grad_()
 
     def step():
-        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, beta=0.5, ce_weight=0.1)
+        loss = nitrobrew.jsd(xs, xt, ws, wt, labels=labels, beta=0.5, ce_weight=0.1, grad_in_forward=grad_in_forward)
         return (loss,) + torch.autograd.grad(loss, (xs, ws))
 
     side = torch.cuda.Stream()  # warm up off the default stream, as torch.cuda.graph requires

@@ -17,7 +17,13 @@ from conftest import CUDA
 pytestmark = [CUDA, pytest.mark.sanitize]
 
 
-def test_every_kernel_once():
+# The recompute path (the vocabulary walk's passes and the chunked backward), then the training path
+# (cuBLAS products and the row kernel, in clusters of blocks on Hopper).
+PATHS = pytest.mark.parametrize("grad_in_forward", [False, True])
+
+
+@PATHS
+def test_every_kernel_once(grad_in_forward):
     dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
@@ -40,14 +46,16 @@ def test_every_kernel_once():
         labels = torch.randint(0, v, (n,), device=dev)
         labels[::4] = -100
         loss = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=ce_weight, softcap_s=20.0,
-                             softcap_t=30.0, vocab_size=v, temperature=2.0)
+                             softcap_t=30.0, vocab_size=v, temperature=2.0, grad_in_forward=grad_in_forward,
+                             grad_chunk_mib=1)
         loss.backward()
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
 
 
 
-def test_bias_and_logit_scale_once():
+@PATHS
+def test_bias_and_logit_scale_once(grad_in_forward):
     # The lm_head biases are read at each tile's columns (the last tile partial, V = 1000 of 1003 /
     # 1005 rows), and the backward's bias gradient reads the chunk: both kernel families via the runner.
     dev = "cuda"
@@ -60,22 +68,60 @@ def test_bias_and_logit_scale_once():
         bias_t = torch.randn(v + 5, device=dev, dtype=torch.bfloat16)
         for beta in (0.0, 0.5):
             loss = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, bias_s=bias_s, bias_t=bias_t, logit_scale_s=0.5,
-                                 logit_scale_t=1.5, softcap_s=20.0, vocab_size=v, temperature=2.0)
+                                 logit_scale_t=1.5, softcap_s=20.0, vocab_size=v, temperature=2.0,
+                                 grad_in_forward=grad_in_forward)
             loss.backward()
             torch.cuda.synchronize()
             assert torch.isfinite(loss) and torch.isfinite(bias_s.grad).all() and torch.isfinite(ws.grad).all()
 
 
-def test_labels_out_of_range_with_cross_entropy(monkeypatch):
-    # Where the Python check cannot run (torch.compile, CUDA graphs): a label outside [0, V) makes its
-    # row NaN instead of stopping the merge kernel with a device-side assertion.
+@pytest.mark.parametrize("staged", [False, True])
+def test_training_path_row_layouts_once(monkeypatch, staged):
+    # The row kernel a block per row, and (development builds, Hopper) its staged layout: rows split over
+    # clusters of 1, 4 and 16 blocks that stage their slices by bulk copies and exchange their states
+    # through distributed shared memory, with masked rows and JSD's second exchange.
+    if staged:
+        monkeypatch.setenv("NITROBREW_ROWS_STAGED", "1")
+    for v, dtype in [(3001, torch.bfloat16), (5001, torch.bfloat16), (152067, torch.bfloat16),
+                     (40009, torch.float16)]:
+        xs = torch.randn(37, 64, device="cuda", dtype=dtype, requires_grad=True)
+        xt = torch.randn(37, 48, device="cuda", dtype=dtype)
+        ws, wt = torch.randn(v, 64, device="cuda", dtype=dtype) / 8, torch.randn(v, 48, device="cuda", dtype=dtype) / 7
+        ws.requires_grad_()
+        labels = torch.randint(0, v, (37,), device="cuda")
+        labels[::5] = -100
+        for beta in (0.0, 1.0, 0.5):
+            loss = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.2, grad_in_forward=True)
+            loss.backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+
+
+def _labels_out_of_range(monkeypatch):
+    """Where the Python check cannot run (torch.compile, CUDA graphs): rows 1 and 4 have labels outside
+    [0, V)."""
     monkeypatch.setattr(nitrobrew._checks, "host_checks_possible", lambda t: False)
     xs = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     xt = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
     ws, wt = (torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16) / 8 for _ in range(2))
-    labels = torch.tensor([1, 5000, 3, -100, -7, 9], device="cuda")
+    return xs, xt, ws, wt, torch.tensor([1, 5000, 3, -100, -7, 9], device="cuda")
+
+
+def test_labels_out_of_range_with_cross_entropy(monkeypatch):
+    # Such a label makes its row NaN instead of stopping the merge kernel with a device-side assertion.
+    xs, xt, ws, wt, labels = _labels_out_of_range(monkeypatch)
     for loss_fn in [nitrobrew.forward_kl, lambda *a, **kw: nitrobrew.jsd(*a, beta=0.5, **kw)]:
         loss = loss_fn(xs, xt, ws, wt, labels=labels, ce_weight=0.3, reduction="none")
         loss.sum().backward()
         torch.cuda.synchronize()
         assert loss[[1, 4]].isnan().all() and loss[[0, 2, 3, 5]].isfinite().all()
+
+
+def test_labels_out_of_range_on_the_training_path(monkeypatch):
+    # The same on the training path: the bad rows' dLoss/dz is NaN, so the loss is NaN, those rows of
+    # xs.grad too, and no device-side assertion ends the process.
+    xs, xt, ws, wt, labels = _labels_out_of_range(monkeypatch)
+    loss = nitrobrew.jsd(xs, xt, ws, wt, beta=0.5, labels=labels, ce_weight=0.3, reduction="sum", grad_in_forward=True)
+    loss.backward()
+    torch.cuda.synchronize()
+    assert loss.isnan() and xs.grad[[1, 4]].isnan().all() and xs.grad[[0, 2, 3, 5]].isfinite().all()

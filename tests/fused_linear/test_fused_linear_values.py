@@ -14,19 +14,32 @@ from randomized import loss_floor
 BETAS = [0.0, 1.0, 0.5]  # forward KL, reverse KL, JSD
 
 
+# Each reduction on each path: "none" runs the recompute path only (grad_in_forward False); "sum" and
+# "mean" run the training path (True) and the recompute path (False).
+PATHS = [("none", False), ("sum", True), ("sum", False), ("mean", True), ("mean", False)]
+
+
+def training_path(reduction):
+    """The training path for a scalar loss; "none" has the recompute path alone."""
+    return None if reduction == "none" else True
+
+
 @pytest.mark.parametrize(
-    "beta,reduction,masked,ce_weight,softcap,padded",
-    list(itertools.product(BETAS, ["none", "sum", "mean"], [False, True], [0.0, 0.5], [False, True], [False, True])),
+    "beta,path,masked,ce_weight,softcap,padded",
+    list(itertools.product(BETAS, PATHS, [False, True], [0.0, 0.5], [False, True], [False, True])),
 )
-def test_every_option(device, beta, reduction, masked, ce_weight, softcap, padded):
-    # V = 1000 over tiles of 96: neither N = 37 nor V divides a tile.
+def test_every_option(device, beta, path, masked, ce_weight, softcap, padded):
+    # V = 1000 over tiles of 96: neither N = 37 nor V divides a tile. On the training path a 1 MiB
+    # budget cuts the 37 tokens into chunks of products and of dLoss/dz.
+    reduction, grad_in_forward = path
     rows = 1024 if padded else None
     xs, xt, ws, wt, labels = make_problem(device=device, masked=masked, rows_s=rows, rows_t=rows)
     options = dict(reduction=reduction, labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
                    temperature=1.5, vocab_size=1000 if padded else None)
     if softcap:
         options.update(softcap_s=4.0, softcap_t=6.0)
-    check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, **options)
+    check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, grad_in_forward=grad_in_forward, grad_chunk_mib=1,
+                            **options)
 
 
 # How real models turn hidden states into logits: an lm_head bias (Phi, GPT-J, ...), a logit
@@ -44,7 +57,7 @@ MODELS = {
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("masked,ce_weight,padded", [(False, 0.0, False), (True, 0.5, True)])
-@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])  # the recompute path, then the training path
 def test_bias_and_logit_scale(device, model, beta, masked, ce_weight, padded, reduction):
     rows = 1024 if padded else None
     xs, xt, ws, wt, labels = make_problem(device=device, masked=masked, rows_s=rows, rows_t=rows)
@@ -53,22 +66,24 @@ def test_bias_and_logit_scale(device, model, beta, masked, ce_weight, padded, re
     use_s, use_t = options.pop("bias", (False, False))
     options.update(bias_s=bias_s if use_s else None, bias_t=bias_t if use_t else None)
     check_against_reference(xs, xt, ws, wt, beta=beta, chunk_V=96, reduction=reduction, temperature=1.5,
+                            grad_in_forward=training_path(reduction),
                             labels=labels if masked or ce_weight else None, ce_weight=ce_weight,
                             vocab_size=1000 if padded else None, **options)
 
 
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature,logit_scale", [(0.1, 1.5), (10.0, 0.05)])
-def test_bias_and_logit_scale_at_extreme_temperatures(device, beta, temperature, logit_scale):
+@pytest.mark.parametrize("reduction", ["none", "sum"])  # the recompute path, then the training path
+def test_bias_and_logit_scale_at_extreme_temperatures(device, beta, temperature, logit_scale, reduction):
     xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
     bias_s, bias_t = make_biases(ws, wt)
     options = dict(bias_s=bias_s, bias_t=bias_t, logit_scale_s=logit_scale, logit_scale_t=1 / logit_scale)
     # The student's scaled logits reach ~200 at T = 0.1: a one-pass loss keeps float32's rounding of
     # them (tests/randomized.py loss_floor).
     size = reference.model_logits(xs.double(), ws.double(), bias=bias_s.double(), logit_scale=logit_scale)
-    floor = loss_floor(xs.dtype, size.abs().max().item() / temperature, ws.shape[0], xs.shape[0], "none")
+    floor = loss_floor(xs.dtype, size.abs().max().item() / temperature, ws.shape[0], xs.shape[0], reduction)
     check_against_reference(xs, xt, ws, wt, beta=beta, temperature=temperature, labels=labels, ce_weight=0.3,
-                            reduction="none", loss_floor=floor, **options)
+                            reduction=reduction, loss_floor=floor, grad_in_forward=training_path(reduction), **options)
 
 
 def test_bias_and_logit_scale_equal_the_logits_they_define():
@@ -92,39 +107,45 @@ def test_bias_and_logit_scale_equal_the_logits_they_define():
 
 
 @pytest.mark.parametrize("beta", [1e-3, 0.1, 0.9, 0.999, 1 - 1e-6])
-def test_jsd_beta_near_endpoints(device, beta):
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_jsd_beta_near_endpoints(device, beta, reduction):
     xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
-    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", chunk_V=128)
+    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction=reduction, chunk_V=128,
+                            grad_in_forward=training_path(reduction))
 
 
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature", [0.1, 0.5, 2.0, 10.0])
-def test_temperatures(device, beta, temperature):
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_temperatures(device, beta, temperature, reduction):
     xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
     check_against_reference(xs, xt, ws, wt, beta=beta, temperature=temperature, labels=labels, ce_weight=0.3,
-                            reduction="none")
+                            reduction=reduction, grad_in_forward=training_path(reduction))
 
 
 @pytest.mark.parametrize("beta", BETAS)
-def test_logits_of_magnitude_1e4_are_finite_and_correct(device, beta):
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_logits_of_magnitude_1e4_are_finite_and_correct(device, beta, reduction):
     # Hidden states scaled so that logits reach ~1e4: distributions are near one-hot and the
     # float32 log-normalizers are ~1e4, so only relative accuracy is meaningful.
     xs, xt, ws, wt, labels = make_problem(n=19, v=700, device=device, scale=3000.0, masked=True)
     (loss, dxs, dws), _ = check_against_reference(
-        xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", ce_weight=0.1, chunk_V=64
+        xs, xt, ws, wt, beta=beta, labels=labels, reduction=reduction, ce_weight=0.1, chunk_V=64,
+        grad_in_forward=training_path(reduction),
     )
     assert loss.abs().max() > 10, "the test should reach large losses"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta", BETAS)
-def test_dtypes(device, dtype, beta):
+@pytest.mark.parametrize("reduction", ["none", "sum"])  # the recompute path, then the training path
+def test_dtypes(device, dtype, beta, reduction):
     if device == "cpu" or dtype != torch.float64:
         xs, xt, ws, wt, labels = make_problem(dtype=dtype, device=device, masked=True)
         # float64 inputs are accumulated in float64: hold them to a float64 tolerance.
         rel_floor = 1e-12 if dtype == torch.float64 else 1e-6
-        check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction="none", ce_weight=0.2,
-                                rel_floor=rel_floor)
+        check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, reduction=reduction, ce_weight=0.2,
+                                rel_floor=rel_floor, grad_in_forward=training_path(reduction))
 
 
 @pytest.mark.parametrize("chunk_V", [1, 7, 96, 999, 1000, 4096, None])

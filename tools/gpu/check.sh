@@ -10,7 +10,11 @@
 #   test_sm80    the same with the sm_80 (mma.sync) kernels forced on this GPU
 #   sanitize     every family's sanitizer cases (pytest -m sanitize) under compute-sanitizer memcheck
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
+#   test_training  the training path's tests alone (gradients in the forward), auto and sm_80 kernels
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
+#   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
+#                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
+#                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
@@ -78,7 +82,17 @@ for step in $steps; do
           if [ "$path" = sm80 ]; then SUFFIX=_sm80 sanitize "$tool" NITROBREW_FORCE_SM80=1; else sanitize "$tool"; fi
         done
       done ;;
+    test_training) run test_training python3 -m pytest -q --maxfail=20 -p no:cacheprovider \
+                     tests/fused_linear/test_training_path.py tests/fused_linear/test_fused_linear_cuda.py \
+                     tests/fused_linear/test_fused_linear_values.py -k "cuda or training" ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
+    bench_training)
+      shapes=()
+      for t in ${TOKENS:-4096 8192 16384}; do shapes+=(--shape "$t,152064,3584,5120" --shape "$t,128256,2048,4096"); done
+      run bench_training python3 benchmarks/fused_linear.py --device cuda --loss "${LOSS:-forward_kl}" \
+        --rounds "${ROUNDS:-3}" --repeats "${REPEATS:-5}" --modes ${MODES:-fwd_bwd forward} \
+        --methods ${METHODS:-cublas_gemms nitrobrew_training nitrobrew_recompute composition} "${shapes[@]}" \
+        --out "$OUT/fused_linear_training_cuda.csv" ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;

@@ -103,15 +103,20 @@ struct ProductTiles {
   }
 };
 
-// Logits the caller holds: the logit-level ops' [N, V] zs and zt (any dtype and strides).
+// Logits the caller holds: the logit-level ops' [N, V] zs and zt (any dtype and strides); or the
+// training path's stored products x . w^T, with the lm_head biases ([V_rows] in the accumulation dtype,
+// undefined for none) added as ProductTiles adds them.
 struct GivenTiles {
   const at::Tensor& zs;
   const at::Tensor& zt;
+  at::Tensor bias_s = {}, bias_t = {};
 
   void begin_vocab_tile(int64_t, int64_t) {}
   void fill(LogitTile& tile) const {
     tile.zs.copy_(zs.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols));
     tile.zt.copy_(zt.narrow(0, tile.r0, tile.rows).narrow(1, tile.v0, tile.cols));
+    if (bias_s.defined()) tile.zs.add_(bias_s.narrow(0, tile.v0, tile.cols));
+    if (bias_t.defined()) tile.zt.add_(bias_t.narrow(0, tile.v0, tile.cols));
   }
 };
 

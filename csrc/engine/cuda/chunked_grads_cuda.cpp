@@ -8,10 +8,10 @@
 #include "chunked_grads.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 
 #include <algorithm>
 
+#include "cublas_gemm.h"
 #include "vocab_walk.h"
 
 namespace nitrobrew {
@@ -19,28 +19,6 @@ namespace cuda {
 namespace {
 
 constexpr int64_t kChunkBytes = int64_t(192) << 20;
-
-cudaDataType_t cublas_type(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return CUDA_R_16BF;
-    case at::kHalf: return CUDA_R_16F;
-    case at::kFloat: return CUDA_R_32F;
-    default: TORCH_CHECK(false, "unsupported dtype for the CUDA backward: ", t);
-  }
-}
-
-// Column-major C[m x n] = alpha * op(A) . op(B) + beta * C, accumulated in float32.
-void gemm(bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, at::ScalarType a_type, int64_t lda,
-          const void* b, int64_t ldb, float beta, void* c, at::ScalarType c_type, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  const float alpha = 1.f;
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  TORCH_CUDABLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(m),
-                                    static_cast<int>(n), static_cast<int>(k), &alpha, a, cublas_type(a_type),
-                                    static_cast<int>(lda), b, cublas_type(a_type), static_cast<int>(ldb), &beta, c,
-                                    cublas_type(c_type), static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-}
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -90,15 +68,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunked_matrix_grads(const at::Te
     fill(c0, cols, dz);
     if (compute_dxs) {  // dxs_acc^T [D x N] += ws_chunk^T [D x cols] . dz^T [cols x N]
       const void* ws_chunk = static_cast<const char*>(ws.data_ptr()) + c0 * ws.stride(0) * elem;
-      gemm(false, hidden, n, cols, ws_chunk, dtype, ws.stride(0), dz.data_ptr(), chunk, 1.f, dxs_acc.data_ptr(),
+      gemm(false, false, hidden, n, cols, ws_chunk, ws.stride(0), dz.data_ptr(), chunk, dtype, 1.f, dxs_acc.data_ptr(),
            at::kFloat, hidden);
     }
     if (compute_dws) {  // dws_chunk^T [D x cols] = xs_scaled^T [D x N] . dz [N x cols]
-      gemm(true, hidden, cols, n, xs_scaled.data_ptr(), dtype, hidden, dz.data_ptr(), chunk, 0.f,
+      gemm(false, true, hidden, cols, n, xs_scaled.data_ptr(), hidden, dz.data_ptr(), chunk, dtype, 0.f,
            static_cast<char*>(dws.data_ptr()) + c0 * dws.stride(0) * elem, dtype, dws.stride(0));
     }
     if (compute_dbias) {  // dbias_chunk [cols x 1] = dz^T [cols x N] . g [N x 1]
-      gemm(false, cols, 1, n, dz.data_ptr(), dtype, chunk, g_low.data_ptr(), n, 0.f,
+      gemm(false, false, cols, 1, n, dz.data_ptr(), chunk, g_low.data_ptr(), n, dtype, 0.f,
            dbias_acc.data_ptr<float>() + c0, at::kFloat, cols);
     }
   }

@@ -42,11 +42,11 @@ __device__ __forceinline__ acc_t shfl(acc_t v, int lane) {
   return __shfl_xor_sync(0xffffffffu, v, lane);
 }
 
-// Block-wide sums of two values; valid in thread 0. Every thread must call it; callable again
-// after it returns.
+// Block-wide sums of two values over blocks of up to 1024 threads; valid in thread 0. Every thread must
+// call it; callable again after it returns.
 template <typename acc_t>
 __device__ __forceinline__ void block_sum2(acc_t& x, acc_t& y) {
-  __shared__ acc_t scratch[kRowThreads / 32][2];
+  __shared__ acc_t scratch[32][2];
 #pragma unroll
   for (int mask = 16; mask >= 1; mask >>= 1) {
     x += shfl(x, mask);
@@ -59,7 +59,7 @@ __device__ __forceinline__ void block_sum2(acc_t& x, acc_t& y) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kRowThreads / 32; ++w) {
+    for (int w = 1; w < int(blockDim.x / 32); ++w) {
       x += scratch[w][0];
       y += scratch[w][1];
     }

@@ -39,6 +39,7 @@
 #include "../numerics.h"
 #include "arch.h"
 #include "cuda_types.h"
+#include "model_logits.cuh"
 #include "vocab_walk.h"
 #include "sm90/ring.cuh"
 #include "sm90/tma.h"
@@ -90,17 +91,6 @@ template <typename T>
 __device__ __forceinline__ Operand<T> rows_of(const T* base, int64_t ld, int64_t first, int64_t total) {
   return Operand<T>{base + first * ld, ld, total - first};
 }
-
-// What turns a model's product tile x . w^T into its logits: softcap(scale * (z + bias[v]))
-// (model_logit, numerics.h): an lm_head bias, a logit multiplier (Cohere, Granite), a soft-cap
-// (Gemma). The passes see the logits; their backwards write dLoss/d(scale * (z + bias)) and fold
-// `scale` into the upstream gradient.
-template <typename T>
-struct ModelLogits {
-  const T* bias;  // [>= vocab_size] or nullptr
-  float scale;    // 1: none
-  float softcap;  // <= 0: none
-};
 
 // A thread's fragment of the product tile at vocabulary offset v0 into the model's logits. Nothing
 // to do for most models; a bias costs two loads per 8-column n-tile, which the block's other

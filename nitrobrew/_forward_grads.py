@@ -1,0 +1,200 @@
+"""The training path: a loss's gradients formed during its forward, its backward only scaling them.
+
+A training step needs four matrix products for a student/teacher loss: both models' logits, then
+dxs = G . ws and dws = G^T . xs from G = dLoss/dz. The recompute path (the default for inference and
+reduction="none") saves per-row statistics in the forward and recomputes the logits in the backward: six
+products. This path walks the tokens in chunks instead. For each chunk,
+
+    both models' products are formed once, in float32, `product_rows` rows at a time
+    (fused_linear_grad_chunk), and turned into the rows' losses and G (scaled by the reduction's
+    weight) in one pass over them;
+    dxs[chunk] = G . ws, dws += G^T . xs[chunk], dbias_s += column sums of G.
+
+The forward then holds the whole loss's gradients; autograd's backward multiplies them by the upstream
+gradient (a scalar: every reduction but "none"). What it costs, and when it runs: docs/design.md.
+
+Memory beyond the gradients themselves: a chunk's G (the inputs' dtype, `grad_rows` x V) and the float32
+products of `product_rows` rows (8 bytes a column for two models), within `grad_chunk_mib`. Each chunk
+after the first reads and writes dws once more, so chunks are as long as that bound allows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nitrobrew._reduction import reduce_rows
+from nitrobrew._registration import ops, stats_dtype
+
+# The default bound of the training path's working set (grad_chunk_mib).
+DEFAULT_CHUNK_MIB = 2048
+# Rows of one step of products: enough for cuBLAS to run at full rate (measured: docs/performance.md).
+PRODUCT_ROWS = 512
+
+
+@torch.library.register_fake("nitrobrew::scaled")
+def _(x, factor):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("nitrobrew::fused_linear_grad_chunk")
+def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergence, beta, temperature, ce_weight,
+      softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size, product_rows):
+    torch._check(xs.dim() == 2 and xt.dim() == 2 and xs.shape[0] == xt.shape[0],
+                 lambda: "xs and xt must be [N, D] with the same N")
+    n, ld = xs.shape[0], (vocab_size + 7) // 8 * 8  # G's rows are padded to 8 entries (registration.cpp)
+    return (xs.new_empty((n,), dtype=stats_dtype(xs.dtype)),
+            torch.empty_strided((n, vocab_size), (ld, 1), dtype=_grad_dtype(xs), device=xs.device))
+
+
+# Where the automatic choice takes the training path: the devices where it measured faster than the
+# recompute path (docs/performance.md). On CUDA its row kernel does not yet reach the memory bandwidth it
+# needs (docs/notes/fused_linear_training_path.md): grad_in_forward=True asks for it there.
+AUTOMATIC_DEVICES = frozenset({"cpu"})
+
+
+def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_type: str) -> bool:
+    """Whether the training path runs: asked for (True), or automatic (None) on AUTOMATIC_DEVICES; a
+    scalar loss, and autograd recording a graph for one of the differentiable inputs (None allowed)."""
+    if choice is not None and not isinstance(choice, bool):
+        raise TypeError(f"grad_in_forward must be None (automatic), True or False, got {choice!r}")
+    if choice is False:
+        return False
+    if reduction == "none":
+        if choice:
+            raise ValueError('grad_in_forward=True needs a scalar loss (reduction "sum" or "mean"): with '
+                             'reduction="none" the gradient of each token depends on its upstream gradient')
+        return False
+    if choice is None and device_type not in AUTOMATIC_DEVICES:
+        return False
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+
+
+def chunk_budget_bytes(grad_chunk_mib) -> int:
+    if grad_chunk_mib is None:
+        return DEFAULT_CHUNK_MIB << 20
+    if isinstance(grad_chunk_mib, bool) or not isinstance(grad_chunk_mib, int) or grad_chunk_mib < 1:
+        raise ValueError(f"grad_chunk_mib must be a positive int (MiB) or None, got {grad_chunk_mib!r}")
+    return grad_chunk_mib << 20
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """grad_rows: the rows of one chunk of G (dws is accumulated once per chunk); product_rows: the rows
+    of one step of products inside it."""
+
+    grad_rows: int
+    product_rows: int
+
+
+def plan_chunks(n: int, vocab: int, *, product_bytes: int, grad_bytes: int, budget: int) -> Chunks:
+    """Chunks of n rows within `budget` bytes: product_rows x vocab x product_bytes of products and
+    grad_rows x vocab x grad_bytes of G. Products take at most half of the budget; G the rest, in
+    chunks of equal length (a multiple of product_rows)."""
+    n = max(n, 1)
+    product_rows = max(1, min(n, PRODUCT_ROWS, budget // 2 // (product_bytes * vocab)))
+    rest = budget - product_rows * product_bytes * vocab
+    longest = max(product_rows, rest // (grad_bytes * vocab) // product_rows * product_rows)
+    chunks = math.ceil(n / longest)
+    grad_rows = math.ceil(math.ceil(n / chunks) / product_rows) * product_rows
+    return Chunks(min(grad_rows, n), product_rows)
+
+
+def _grad_dtype(x: Tensor) -> torch.dtype:
+    """G's dtype: the inputs' on CUDA (the tensor cores' operand), the accumulation dtype on the CPU."""
+    return x.dtype if x.device.type == "cuda" else stats_dtype(x.dtype)
+
+
+def _row_weight(n: int, reduction: str, flat_labels: Tensor | None, ignore_index: int, device, dtype) -> Tensor:
+    """The reduction's weight of each unmasked row, as a scalar tensor: 1 ("sum"), 1 / unmasked rows ("mean")."""
+    if reduction == "sum":
+        return torch.ones((), dtype=dtype, device=device)
+    if flat_labels is None:
+        return torch.full((), 1.0 / max(n, 1), dtype=dtype, device=device)
+    return 1.0 / (flat_labels != ignore_index).sum().clamp(min=1).to(dtype)
+
+
+def _float16_range_scale(weight: Tensor) -> Tensor:
+    """A power of two s with weight * s in [2^-0.5, 2^0.5]: float16's G is stored as G * weight * s, so that
+    small entries keep float16's range; the backward multiplies by 1 / s, which is exact."""
+    return torch.exp2(-torch.round(torch.log2(weight)))
+
+
+class FusedLinearForwardGrads(torch.autograd.Function):
+    """The fused-linear losses on the training path: forward returns the reduced loss and holds dxs, dws,
+    dbias_s; backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, labels, bias_s, bias_t, options: tuple, reduction: str, chunk_bytes: int,
+                needs: tuple):
+        # The products' dtypes are this path's own: torch.autocast (the caller's inputs are already cast)
+        # must not round G or the hidden states again.
+        with torch.autocast(xs.device.type, enabled=False):
+            loss, saved = _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction,
+                                                      chunk_bytes, needs)
+        ctx.save_for_backward(*saved)
+        ctx.dtypes = (xs.dtype, ws.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
+                               "(create_graph=True) is not implemented")
+        dxs, dws, dbias, unscale = ctx.saved_tensors
+        xs_dtype, ws_dtype = ctx.dtypes
+        factor = grad_loss if unscale is None else grad_loss * unscale
+        # Each gradient times the factor in float32, one rounding to its dtype (exact when the factor is
+        # a power of two: loss.backward()'s 1, or a loss scale).
+        grads = [None if t is None else ops.scaled(t, factor).to(dtype)
+                 for t, dtype in ((dxs, xs_dtype), (dws, ws_dtype), (dbias, ws_dtype))]
+        return grads[0], None, grads[1], None, None, grads[2], None, None, None, None, None
+
+
+def _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes, needs):
+    (ignore_index, _divergence, _beta, _temperature, _ce_weight, _softcap_s, _softcap_t, _scale_s, _scale_t,
+     vocab) = options
+    need_dxs, need_dws, need_dbias = needs
+    n = xs.shape[0]
+    gdtype = _grad_dtype(xs)
+    loss_dtype = stats_dtype(xs.dtype)
+    chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(loss_dtype).bits // 8,
+                         grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
+    weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
+    # G is stored times `range_scale`, which the backward takes out again.
+    range_scale = _float16_range_scale(weight) if gdtype == torch.float16 else None
+    row_scale = weight if range_scale is None else weight * range_scale
+    ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
+    rows, dxs_parts = [], []
+    dws = dws_v = dbias = None
+    if need_dws:
+        dws = ws.new_empty(ws.shape, dtype=gdtype)
+        dws[vocab:].zero_()  # padded rows past vocab_size get no gradient
+        dws_v = dws[:vocab]
+    if need_dbias:
+        dbias = torch.zeros(ws.shape[0], dtype=loss_dtype, device=ws.device)
+    for b0 in range(0, max(n, 1), chunks.grad_rows):  # no token: one empty chunk, zero gradients
+        b1 = min(n, b0 + chunks.grad_rows)
+        xs_b = xs[b0:b1]
+        loss_b, grad_b = ops.fused_linear_grad_chunk(
+            xs_b, xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1], bias_s, bias_t, row_scale,
+            *options, chunks.product_rows)
+        rows.append(loss_b)
+        if need_dxs:
+            dxs_parts.append(torch.mm(grad_b, ws_v))
+        if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
+            dws_v.addmm_(grad_b.t(), xs_b.to(gdtype), beta=0 if b0 == 0 else 1)
+        if need_dbias:
+            dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
+        del grad_b
+    loss = reduce_rows(torch.cat(rows) if len(rows) > 1 else rows[0], (n,), reduction, labels, ignore_index)
+    # In G's dtype: the backward's product with the upstream gradient is their only rounding to the inputs'
+    # dtype on the CPU; on CUDA, they are the inputs' dtype already (exact when that gradient is 1).
+    dxs = None
+    if need_dxs:
+        dxs = torch.cat(dxs_parts) if len(dxs_parts) > 1 else dxs_parts[0]
+    unscale = None if range_scale is None else 1.0 / range_scale
+    return loss, (dxs, dws, dbias, unscale)
