@@ -13,9 +13,13 @@ products. This path walks the tokens in chunks instead. For each chunk,
 The forward then holds the whole loss's gradients; autograd's backward multiplies them by the upstream
 gradient (a scalar: every reduction but "none"). What it costs, and when it runs: docs/design.md.
 
-Memory beyond the gradients themselves: a chunk's G (the inputs' dtype, `grad_rows` x V) and the float32
-products of `product_rows` rows (8 bytes a column for two models), within `grad_chunk_mib`. Each chunk
-after the first reads and writes dws once more, so chunks are as long as that bound allows.
+Memory beyond the gradients themselves: a chunk's G (`grad_rows` x V, in the inputs' dtype on CUDA, the
+accumulation dtype on the CPU) and the products of `product_rows` rows (float32, float64 for float64
+inputs; two models), within `grad_chunk_mib` (at least one row of each). Each chunk after the first reads
+and writes dws once more, so chunks are as long as that bound allows.
+
+The chunk loop runs in Python over the tokens' count, so torch.compile specializes a graph on it: the
+automatic choice keeps to the recompute path while compiling, whose graph takes any count.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_ty
             raise ValueError('grad_in_forward=True needs a scalar loss (reduction "sum" or "mean"): with '
                              'reduction="none" the gradient of each token depends on its upstream gradient')
         return False
-    if choice is None and device_type not in AUTOMATIC_DEVICES:
+    if choice is None and (device_type not in AUTOMATIC_DEVICES or torch.compiler.is_compiling()):
         return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
 
@@ -146,11 +150,13 @@ class FusedLinearForwardGrads(torch.autograd.Function):
                                "(create_graph=True) is not implemented")
         dxs, dws, dbias, unscale = ctx.saved_tensors
         xs_dtype, ws_dtype = ctx.dtypes
-        factor = grad_loss if unscale is None else grad_loss * unscale
-        # Each gradient times the factor in float32, one rounding to its dtype (exact when the factor is
+        # dxs and dbias_s come from G stored times float16's range scale; dws does not (see below).
+        ranged = grad_loss if unscale is None else grad_loss * unscale
+        # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
         # a power of two: loss.backward()'s 1, or a loss scale).
         grads = [None if t is None else ops.scaled(t, factor).to(dtype)
-                 for t, dtype in ((dxs, xs_dtype), (dws, ws_dtype), (dbias, ws_dtype))]
+                 for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, grad_loss, ws_dtype),
+                                          (dbias, ranged, ws_dtype))]
         return grads[0], None, grads[1], None, None, grads[2], None, None, None, None, None
 
 
@@ -164,12 +170,17 @@ def _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options,
     chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(loss_dtype).bits // 8,
                          grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
     weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
-    # G is stored times `range_scale`, which the backward takes out again.
+    # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
+    # over every token that could leave float16's range at that scale, takes it out at once through the
+    # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal).
     range_scale = _float16_range_scale(weight) if gdtype == torch.float16 else None
     row_scale = weight if range_scale is None else weight * range_scale
-    ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
-    rows, dxs_parts = [], []
-    dws = dws_v = dbias = None
+    unscale = None if range_scale is None else 1.0 / range_scale
+    rows = []
+    dxs = dws = dws_v = dbias = ws_v = None
+    if need_dxs:
+        ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
+        dxs = xs.new_empty((n, xs.shape[1]), dtype=gdtype)
     if need_dws:
         dws = ws.new_empty(ws.shape, dtype=gdtype)
         dws[vocab:].zero_()  # padded rows past vocab_size get no gradient
@@ -184,17 +195,14 @@ def _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options,
             *options, chunks.product_rows)
         rows.append(loss_b)
         if need_dxs:
-            dxs_parts.append(torch.mm(grad_b, ws_v))
+            torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
-            dws_v.addmm_(grad_b.t(), xs_b.to(gdtype), beta=0 if b0 == 0 else 1)
+            x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
+            dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
     loss = reduce_rows(torch.cat(rows) if len(rows) > 1 else rows[0], (n,), reduction, labels, ignore_index)
     # In G's dtype: the backward's product with the upstream gradient is their only rounding to the inputs'
     # dtype on the CPU; on CUDA, they are the inputs' dtype already (exact when that gradient is 1).
-    dxs = None
-    if need_dxs:
-        dxs = torch.cat(dxs_parts) if len(dxs_parts) > 1 else dxs_parts[0]
-    unscale = None if range_scale is None else 1.0 / range_scale
     return loss, (dxs, dws, dbias, unscale)

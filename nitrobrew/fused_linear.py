@@ -157,7 +157,7 @@ def _fused_linear_loss(
     train = _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
-        if grad_in_forward:
+        if grad_in_forward and train:
             raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
                                       "(process_group= or DTensor weights) yet; they take the recompute path "
                                       "(grad_in_forward=None or False)")
@@ -208,10 +208,13 @@ Args:
         only scales them by the upstream gradient); the recompute path saves per-row statistics and
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
-        a graph for xs, ws or bias_s. Automatic: the training path on the CPU, the recompute path on CUDA
-        (where the training path is not faster yet: docs/performance.md).
+        a graph for xs, ws or bias_s. Automatic: the training path on the CPU outside torch.compile, the
+        recompute path on CUDA (where the training path is not faster yet: docs/performance.md).
     grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
-        and its dLoss/dz. Larger chunks read and write dws fewer times.
+        and its dLoss/dz (at least one token's). Larger chunks read and write dws fewer times. The
+        gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of
+        fewer inputs pays for them all. Under torch.compile the training path specializes its graph on
+        the number of tokens.
     process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
         a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
         on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's

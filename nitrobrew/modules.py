@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from nitrobrew import _checks, fused_linear
+from nitrobrew import _checks, _forward_grads, fused_linear
 
 _LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -56,7 +56,7 @@ class DistillationLoss(nn.Module):
         _checks.positive_number(logit_scale_t, "logit_scale_t")
         if grad_in_forward is not None and not isinstance(grad_in_forward, bool):
             raise TypeError(f"grad_in_forward must be None (automatic), True or False, got {grad_in_forward!r}")
-        _checks.optional_positive_int(grad_chunk_mib, "grad_chunk_mib")
+        _forward_grads.chunk_budget_bytes(grad_chunk_mib)
         self.options = dict(
             temperature=temperature, reduction=reduction, ignore_index=ignore_index, ce_weight=ce_weight,
             softcap_s=softcap_s, softcap_t=softcap_t, vocab_size=vocab_size, chunk_V=chunk_V,

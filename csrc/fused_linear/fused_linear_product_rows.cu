@@ -122,9 +122,6 @@ struct FinishedRow {
   float loss;
 };
 
-// Bytes of shared memory a block may stage: two buffers of its slice of both models.
-constexpr int64_t kStageBytes = int64_t(200) << 10;
-constexpr int kMaxStagedCluster = 16;  // Hopper's largest cluster (a non-portable size)
 
 // kStaged: the block's slice of each row is copied into shared memory (two buffers, the next row's
 // copy in flight while this one is worked on); otherwise each pass reads it from device memory.
@@ -283,6 +280,8 @@ struct RowsPlan {
 // with NITROBREW_ROWS_STAGED=1 (docs/development.md): the smallest cluster whose slices fit the buffers.
 RowsPlan plan_rows(int64_t vocab) {
 #ifdef NITROBREW_DEV_KNOBS
+  constexpr int64_t kStageBytes = int64_t(200) << 10;  // two buffers of a block's slice of both models
+  constexpr int kMaxStagedCluster = 16;                 // Hopper's largest cluster (a non-portable size)
   const char* staged = std::getenv("NITROBREW_ROWS_STAGED");
   if (staged != nullptr && staged[0] == '1' && use_sm90a_kernels()) {
     for (int size = 1; size <= kMaxStagedCluster; size *= 2) {

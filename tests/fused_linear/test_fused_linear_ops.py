@@ -82,6 +82,26 @@ def test_torch_compile_dynamic_with_default_options(device):
     torch.testing.assert_close(compiled(xs, ws), step(xs, ws))
 
 
+def test_torch_compile_takes_any_token_count(device):
+    # The automatic choice under torch.compile keeps to the recompute path, whose graph takes any number
+    # of tokens (the training path's chunk loop would specialize on it and, past the recompile limit,
+    # fail a fullgraph compile).
+    torch._dynamo.reset()
+    xs, xt, ws, wt, labels = make_problem(n=60, v=300, device=device, masked=True)
+
+    def step(xs, xt, ws, wt, labels):
+        return nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in range(12, 60, 4):  # 12 token counts, past the recompile limit of 8
+        a = xs[:n].clone().requires_grad_()
+        loss = compiled(a, xt[:n], ws, wt, labels[:n])
+        loss.backward()
+        b = xs[:n].clone().requires_grad_()
+        step(b, xt[:n], ws, wt, labels[:n]).backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("grad_in_forward", [False, True])  # the recompute path, the training path
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
