@@ -196,7 +196,7 @@ Args:
         tokens / their number, 0 when none) or "batchmean" (= "mean").
     labels: int64, leading shape of xs; tokens whose label is ignore_index are masked.
     ignore_index: the label value of masked tokens.
-    chunk_V: vocabulary tile width of the CPU kernel (None = automatic).
+    chunk_V: vocabulary tile width of the CPU kernel on the recompute path (None = automatic).
     ce_weight: adds ce_weight * cross-entropy of the student's temperature-1 logits at labels.
     softcap_s, softcap_t: Gemma-style cap c * tanh(z / c) per model, before the temperature.
     vocab_size: real vocabulary entries when ws / wt are padded; rows past it are excluded.
