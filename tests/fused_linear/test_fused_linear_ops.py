@@ -55,6 +55,28 @@ def test_opcheck_backward(device, compute, model):
 
 
 @pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size,model", OPTIONS)
+@pytest.mark.parametrize("product_rows", [3, 512])
+def test_opcheck_training_path_chunk(device, beta, ce_weight, softcaps, vocab_size, model, product_rows):
+    # The training path's step: its fake gives the real outputs' shapes, dtypes and padded strides.
+    xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True, rows_s=13, rows_t=13)
+    labels = labels.clamp(max=10) if ce_weight else labels
+    args = _op_args(xs, xt, ws, wt, labels, beta, ce_weight, softcaps, vocab_size or 12, model)
+    row_scale = torch.tensor(0.25, device=device)
+    chunk_args = (*args[:7], row_scale, *args[7:-1], product_rows)
+    torch.library.opcheck(torch.ops.nitrobrew.fused_linear_grad_chunk.default, chunk_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 1])  # an unaligned start takes the CUDA kernel's fallback
+def test_scaled(device, dtype, offset):
+    # The training path's backward scaling: x times a scalar tensor in float32, one rounding.
+    x = torch.randn(1000 + offset, device=device).to(dtype)[offset:]
+    factor = torch.tensor(0.3, device=device)
+    torch.testing.assert_close(torch.ops.nitrobrew.scaled(x, factor), (x.float() * 0.3).to(dtype), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.nitrobrew.scaled.default, (x, factor))
+
+
+@pytest.mark.parametrize("beta,ce_weight,softcaps,vocab_size,model", OPTIONS)
 def test_gradcheck_float64(beta, ce_weight, softcaps, vocab_size, model):
     xs, xt, ws, wt, labels = make_problem(n=5, v=13, d_s=3, d_t=4, dtype=torch.float64, masked=True, seed=3)
     labels = labels.clamp(max=10)

@@ -66,6 +66,8 @@ def test_bad_options_are_clear_errors():
         nitrobrew.forward_kl(xs, xt, ws, wt, process_group=object(), grad_in_forward=True)
     with pytest.raises(TypeError, match="grad_in_forward must be None"):
         nitrobrew.DistillationLoss("jsd", grad_in_forward=1)
+    with pytest.raises(ValueError, match="grad_chunk_mib must be a positive int"):
+        nitrobrew.DistillationLoss("jsd", grad_chunk_mib=0)
     # Forced on where no gradient is wanted: nothing to form, the plain forward runs.
     with torch.no_grad():
         assert ops_run(lambda: nitrobrew.forward_kl(xs, xt, ws, wt, grad_in_forward=True)) == {FORWARD_OP}
