@@ -1,8 +1,10 @@
 """Accuracy of the fused-linear losses at a realistic shape, against a float64 oracle.
 
-    python benchmarks/accuracy_fused_linear.py --tokens 2048 --loss forward_kl
+    python benchmarks/accuracy_fused_linear.py --tokens 2048 --loss forward_kl --paths recompute training
 
-For bf16 inputs it reports, for the loss and for dxs and dws, the relative error
+For bf16 inputs it reports, for each path (recompute: grad_in_forward=False; training: True, with
+--grad-chunk-mib as its bound, so that dws is rounded once per chunk) and for the loss, dxs and dws, the
+relative error
 ||x - oracle|| / ||oracle|| of nitrobrew and of a float32 PyTorch implementation (the inputs
 widened to float32, logits materialized), that one also rounded to the gradients' dtype, and
 the ratio nitrobrew / float32-PyTorch-rounded (the target: at most 2). CSV to --out.
@@ -20,6 +22,7 @@ import nitrobrew
 from nitrobrew import reference
 
 BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
+PATHS = {"recompute": False, "training": True}  # grad_in_forward
 
 
 def values_and_grads(fn, xs, xt, ws, wt, upstream, dtype):
@@ -41,6 +44,8 @@ def main():
     parser.add_argument("--loss", choices=list(BETAS), default="forward_kl")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    parser.add_argument("--grad-chunk-mib", type=int, default=None, help="the training path's bound (default 2048)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     v, d_s, d_t = (int(x) for x in args.shape.split(","))
@@ -56,25 +61,30 @@ def main():
     def ref(xs, xt, ws, wt):
         return reference.fused_linear(xs, xt, ws, wt, dtype=None, **kw)
 
-    def fused(xs, xt, ws, wt):
-        return nitrobrew.jsd(xs, xt, ws, wt, **kw)
-
     oracle = values_and_grads(ref, xs, xt, ws, wt, upstream, torch.float64)
     torch.cuda.empty_cache()
     fp32 = values_and_grads(ref, xs, xt, ws, wt, upstream, torch.float32)
     torch.cuda.empty_cache()
-    ours = values_and_grads(fused, xs, xt, ws, wt, upstream, dtype)
     rows = []
-    for name, o, f, n in zip(("loss", "dxs", "dws"), oracle, fp32, ours):
-        f_rounded = f if name == "loss" else f.to(dtype)
-        row = {
-            "quantity": name,
-            "nitrobrew": relative_error(n, o),
-            "pytorch_fp32": relative_error(f, o),
-            "pytorch_fp32_rounded": relative_error(f_rounded, o),
-        }
-        row["ratio"] = row["nitrobrew"] / max(row["pytorch_fp32_rounded"], 1e-30)
-        rows.append(row)
+    for path in args.paths:
+        def fused(xs, xt, ws, wt, grad_in_forward=PATHS[path]):
+            return nitrobrew.jsd(xs, xt, ws, wt, grad_in_forward=grad_in_forward, grad_chunk_mib=args.grad_chunk_mib,
+                                 **kw)
+
+        ours = values_and_grads(fused, xs, xt, ws, wt, upstream, dtype)
+        for name, o, f, n in zip(("loss", "dxs", "dws"), oracle, fp32, ours):
+            f_rounded = f if name == "loss" else f.to(dtype)
+            row = {
+                "path": path,
+                "quantity": name,
+                "nitrobrew": relative_error(n, o),
+                "pytorch_fp32": relative_error(f, o),
+                "pytorch_fp32_rounded": relative_error(f_rounded, o),
+            }
+            row["ratio"] = row["nitrobrew"] / max(row["pytorch_fp32_rounded"], 1e-30)
+            rows.append(row)
+        del ours
+        torch.cuda.empty_cache()
     if dtype != torch.float32:
         # The loss from the logits of cuBLAS's bf16 tensor-core GEMM (fp32 output), reduced in
         # float64: how much of the loss error tensor-core accumulation alone explains.
@@ -87,14 +97,15 @@ def main():
             divergence = reference.divergence_from_logits(zs.double() / args.temperature,
                                                           zt.double() / args.temperature, beta)
             err = relative_error(divergence.mean(), oracle[0])
-            rows.append({"quantity": "loss_cublas_bf16_logits", "nitrobrew": float("nan"), "pytorch_fp32": err,
+            rows.append({"path": "", "quantity": "loss_cublas_bf16_logits", "nitrobrew": float("nan"), "pytorch_fp32": err,
                          "pytorch_fp32_rounded": err, "ratio": float("nan")})
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                loss=args.loss, dtype=args.dtype, N=args.tokens, V=v, Ds=d_s, Dt=d_t, temperature=args.temperature)
+                loss=args.loss, dtype=args.dtype, N=args.tokens, V=v, Ds=d_s, Dt=d_t, temperature=args.temperature,
+                grad_chunk_mib=args.grad_chunk_mib or "")
     print(", ".join(f"{k} {v}" for k, v in meta.items()))
-    print(f"{'quantity':9s} {'nitrobrew':>12s} {'fp32 torch':>12s} {'fp32 rounded':>13s} {'ratio':>7s}")
+    print(f"{'path':9s} {'quantity':9s} {'nitrobrew':>12s} {'fp32 torch':>12s} {'fp32 rounded':>13s} {'ratio':>7s}")
     for r in rows:
-        print(f"{r['quantity']:9s} {r['nitrobrew']:12.3e} {r['pytorch_fp32']:12.3e} {r['pytorch_fp32_rounded']:13.3e} "
+        print(f"{r['path']:9s} {r['quantity']:9s} {r['nitrobrew']:12.3e} {r['pytorch_fp32']:12.3e} {r['pytorch_fp32_rounded']:13.3e} "
               f"{r['ratio']:7.2f}")
     if args.out:
         with open(args.out, "a", newline="") as f:

@@ -55,9 +55,8 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 
 
 # Where the automatic choice takes the training path: the devices where it measured faster than the
-# recompute path (docs/performance.md). On CUDA its row kernel does not yet reach the memory bandwidth it
-# needs (docs/notes/fused_linear_training_path.md): grad_in_forward=True asks for it there.
-AUTOMATIC_DEVICES = frozenset({"cpu"})
+# recompute path (docs/performance.md: ~0.91x its step on the CPU, ~0.7x on the H100).
+AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_type: str) -> bool:

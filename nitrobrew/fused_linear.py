@@ -208,8 +208,9 @@ Args:
         only scales them by the upstream gradient); the recompute path saves per-row statistics and
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
-        a graph for xs, ws or bias_s. Automatic: the training path on the CPU outside torch.compile, the
-        recompute path on CUDA (where the training path is not faster yet: docs/performance.md).
+        a graph for xs, ws or bias_s. Automatic: the training path wherever it can run (CPU and CUDA),
+        except under torch.compile and over vocabulary shards; it measured faster (docs/performance.md)
+        at up to grad_chunk_mib more memory. False keeps the recompute path's smaller footprint.
     grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
         and its dLoss/dz (at least one token's). Larger chunks read and write dws fewer times. The
         gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of

@@ -1,7 +1,7 @@
 // CUDA implementation of fused_linear_grad_chunk, the training path's step over a chunk of tokens
 // (nitrobrew/_forward_grads.py): for every `product_rows` rows, cuBLAS forms both models' products in
 // float32 (the logits' only rounding is the GEMM's, as in the kernels that never store them) and the
-// row kernel (product_rows.cu) turns them into each row's loss and dLoss/dz. The caller then forms
+// row kernels (product_rows.cu) turn them into each row's loss and dLoss/dz. The caller then forms
 // dxs, dws and dbias_s from dLoss/dz with cuBLAS: four products in all, none recomputed.
 //
 // Extra memory: the float32 products of `product_rows` rows of both models (8 bytes a column) and the
@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
   const c10::cuda::CUDAGuard guard(xs.device());
   const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);
   const int64_t n = p.num_rows, vocab = p.vocab_size, ld = product_row_stride(vocab);
-  at::Tensor loss = at::empty({n}, xs.options().dtype(at::kFloat));
+  at::Tensor loss = at::zeros({n}, xs.options().dtype(at::kFloat));  // masked rows: 0
   at::Tensor grad = at::empty({n, ld}, xs.options()).narrow(1, 0, vocab);
   if (n == 0) return {loss, grad};
   const int64_t rows = std::min(product_rows, n);

@@ -1,5 +1,5 @@
-// The training path's row kernel of the fused-linear losses (product_rows.cu), from the host: given a
-// chunk of rows' stored products of both models, each row's loss and dLoss/dz in one pass over them.
+// The training path's row kernels of the fused-linear losses (product_rows.cu), from the host: given a
+// chunk of rows' stored products of both models, each row's loss and dLoss/dz.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,7 +20,7 @@ struct ProductRowsLaunch {
   const void* bias_s;     // [>= vocab_size] in the inputs' dtype, or nullptr
   const void* bias_t;
   const float* row_scale;  // device scalar: every unmasked row's dLoss/dz is multiplied by it (and logit_scale_s)
-  float* loss;             // [rows]
+  float* loss;             // [rows], zeros: masked rows keep their 0
   void* grad;              // [rows, ld_grad] in the inputs' dtype: dLoss/dz * row_scale * logit_scale_s
   int64_t ld_grad;
 };
@@ -28,7 +28,7 @@ struct ProductRowsLaunch {
 // The row stride (in entries) that the stored products and dLoss/dz of a row of `vocab` columns must have.
 int64_t product_row_stride(int64_t vocab);
 
-// Launches the row kernel for inputs of `dtype` (bfloat16, float16 or float32) on the current stream.
+// Launches the row kernels for inputs of `dtype` (bfloat16, float16 or float32) on the current stream.
 void launch_product_rows(const ProductRowsLaunch& l, const DistillParams& p, at::ScalarType dtype);
 
 }  // namespace cuda

@@ -227,22 +227,22 @@ def test_training_path_every_option(kernel_family, dtype, reduction, beta, maske
     check_against_reference(xs, xt, ws, wt, beta=beta, grad_in_forward=True, grad_chunk_mib=1, **options)
 
 
-@pytest.mark.parametrize("layout", ["block", pytest.param("staged", marks=DEV_BUILD)])
+@pytest.mark.parametrize("slice_cols", [None, pytest.param("1000", marks=DEV_BUILD), pytest.param("200", marks=DEV_BUILD)])
 @pytest.mark.parametrize("v", [3001, 5001, 12001, 40009, 152067])
 @pytest.mark.parametrize("beta", BETAS)
-def test_training_path_row_layouts(kernel_family, monkeypatch, layout, v, beta):
-    # The row kernel's layouts: a block per row (the default), or (development builds, Hopper) a cluster
-    # of blocks per row, each staging its slice in shared memory and merging through distributed shared
-    # memory: 1 to 16 blocks as the row grows. Masked rows, the CE add-on's label in any slice, a bias.
-    if layout == "staged":
-        monkeypatch.setenv("NITROBREW_ROWS_STAGED", "1")
+def test_training_path_row_slices(kernel_family, monkeypatch, slice_cols, v, beta):
+    # The row kernels cut each row into slices of equal width, a block each, merged per row in order: at
+    # most the default width (one to ten slices here), and (development builds) 1000 or 200 columns, up to
+    # 761 slices a row. Masked rows, the CE add-on's label in any slice, a bias.
+    if slice_cols is not None:
+        monkeypatch.setenv("NITROBREW_ROW_SLICE_COLS", slice_cols)
     xs, xt, ws, wt, labels = make_problem(n=97, v=v, d_s=64, d_t=48, dtype=torch.bfloat16, device="cuda",
                                           masked=True)
     bias_s, _ = make_biases(ws, wt, scale=2.0)
     check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.3, bias_s=bias_s,
                             reduction="mean", grad_in_forward=True)
     names = launched_kernels(lambda: run_loss(xs, xt, ws, wt, grad_in_forward=True))
-    assert sum("product_rows_kernel" in name for name in names) == 1, names
+    assert sum("row_grads_kernel" in name for name in names) == 1, names
     assert not any("hopper_logit_kernel" in name or "mma_logit_kernel" in name for name in names), names
 
 
@@ -257,7 +257,7 @@ def test_training_path_extreme_temperatures_and_logits(kernel_family, temperatur
 
 def test_training_path_launches_by_chunk():
     # 1000 rows, V = 20011, 8 MiB: steps of products of 26 rows (2 x 4 x 20016 bytes each), chunks of
-    # dLoss/dz as long as the rest allows; every step is one row-kernel launch and two products.
+    # dLoss/dz as long as the rest allows; every step is two products and one launch of each row kernel.
     xs, xt, ws, wt, labels = make_problem(n=1000, v=20011, d_s=64, d_t=64, dtype=torch.bfloat16, device="cuda",
                                           masked=True)
     from nitrobrew._forward_grads import plan_chunks
@@ -268,4 +268,4 @@ def test_training_path_launches_by_chunk():
     xs_ = xs.detach().requires_grad_()
     names = launched_kernels(lambda: nitrobrew.forward_kl(xs_, xt, ws, wt, labels=labels, grad_in_forward=True,
                                                           grad_chunk_mib=8).backward())
-    assert sum("product_rows_kernel" in name for name in names) == steps, names
+    assert sum("row_grads_kernel" in name for name in names) == steps, names

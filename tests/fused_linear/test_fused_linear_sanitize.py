@@ -75,13 +75,12 @@ def test_bias_and_logit_scale_once(grad_in_forward):
             assert torch.isfinite(loss) and torch.isfinite(bias_s.grad).all() and torch.isfinite(ws.grad).all()
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_training_path_row_layouts_once(monkeypatch, staged):
-    # The row kernel a block per row, and (development builds, Hopper) its staged layout: rows split over
-    # clusters of 1, 4 and 16 blocks that stage their slices by bulk copies and exchange their states
-    # through distributed shared memory, with masked rows and JSD's second exchange.
-    if staged:
-        monkeypatch.setenv("NITROBREW_ROWS_STAGED", "1")
+@pytest.mark.parametrize("slice_cols", [None, "1000"])
+def test_training_path_row_slices_once(monkeypatch, slice_cols):
+    # The row kernels over slices of rows, the default width and (development builds) 1000 columns, the
+    # last slice short: masked rows, the CE add-on, and JSD's mixture launch.
+    if slice_cols is not None:
+        monkeypatch.setenv("NITROBREW_ROW_SLICE_COLS", slice_cols)
     for v, dtype in [(3001, torch.bfloat16), (5001, torch.bfloat16), (152067, torch.bfloat16),
                      (40009, torch.float16)]:
         xs = torch.randn(37, 64, device="cuda", dtype=dtype, requires_grad=True)

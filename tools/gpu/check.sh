@@ -15,6 +15,7 @@
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
+#   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
@@ -24,7 +25,7 @@
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
 #   memcheck_multi_gpu  the NCCL cases of the CUDA distributed tests under compute-sanitizer memcheck, every rank
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
-# SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families.
+# SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families; SANITIZE_K to the cases pytest -k picks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_out}
@@ -60,7 +61,7 @@ sanitize() {  # sanitize TOOL [env ...]: every family's sanitizer cases under co
   local tool=$1; shift
   for family in $families; do
     run "${tool}_${family}${SUFFIX:-}" env "$@" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      python3 -m pytest -q -x -m sanitize -p no:cacheprovider "tests/$family"
+      python3 -m pytest -q -x -m sanitize -p no:cacheprovider ${SANITIZE_K:+-k "$SANITIZE_K"} "tests/$family"
   done
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -93,6 +94,12 @@ for step in $steps; do
         --rounds "${ROUNDS:-3}" --repeats "${REPEATS:-5}" --modes ${MODES:-fwd_bwd forward} \
         --methods ${METHODS:-cublas_gemms nitrobrew_training nitrobrew_recompute composition} "${shapes[@]}" \
         --out "$OUT/fused_linear_training_cuda.csv" ;;
+    # The fused-linear losses' errors against float64 on both paths (ACC_TOKENS, 2048; ACC_CHUNK_MIB: the
+    # training path's bound, so that dws is rounded once per chunk of it).
+    accuracy) for loss in forward_kl reverse_kl jsd; do
+                run "accuracy_$loss" python3 benchmarks/accuracy_fused_linear.py --loss "$loss" --tokens "${ACC_TOKENS:-2048}" \
+                  ${ACC_CHUNK_MIB:+--grad-chunk-mib "$ACC_CHUNK_MIB"} --out "$OUT/accuracy_fused_linear.csv"
+              done ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;

@@ -1,13 +1,9 @@
 // The training path's walk over stored products (engine: it knows no loss). The products
 // z = x . w^T of a chunk of rows were written by cuBLAS in float32, one row per token with a stride of
-// `ld` entries. A row is read by a cluster of blocks, each block taking one slice of its columns, so
-// that the row's state is merged on chip (distributed shared memory) and every block finishes the same
-// row statistics (fused_linear/fused_linear_product_rows.cu).
-//
-// On Hopper each block stages its slice of a row in shared memory with one bulk copy per model while
-// it works on the previous row (double buffering): the passes over the row then read shared memory,
-// and the products are read from device memory once. Elsewhere (sm_80; rows too long for the staging
-// buffers) a block reads its slice from device memory in each pass.
+// `ld` entries. Each row is cut into slices of columns, and every (row, slice) is one block of its own:
+// the row kernels (fused_linear/fused_linear_product_rows.cu) fold a slice into a partial state, or turn
+// it into dLoss/dz from the row's finished statistics. No block waits on another, so the grid streams
+// device memory at the rate of a copy.
 #pragma once
 
 #include <cstdint>
@@ -15,84 +11,31 @@
 #include "../numerics.h"
 #include "cuda_types.h"
 #include "model_logits.cuh"
-#include "sm90/ptx.cuh"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#include <cooperative_groups.h>
-#define NITROBREW_CLUSTERS 1
-#else
-#define NITROBREW_CLUSTERS 0
-#endif
 
 namespace nitrobrew {
 namespace cuda {
 
-constexpr int kProductRowThreads = 512;
-// Row strides of the stored products and of dLoss/dz, and the clusters' column slices, are multiples of
-// 8 entries: 32 bytes of float32 products, 16 of a 16-bit gradient, so that every vector access and
-// bulk copy is aligned.
+constexpr int kProductRowThreads = 256;
+// Row strides of the stored products and of dLoss/dz, and the slices' widths, are multiples of 8
+// entries: 32 bytes of float32 products, 16 of a 16-bit gradient, so that every vector access is aligned.
 constexpr int64_t kProductAlign = 8;
+// Columns of a row a block takes: 16 chunks of 4 a thread, 4 loads of each model in flight at a time.
+constexpr int64_t kRowSliceCols = 16 * 4 * kProductRowThreads;
 
-// One model's stored products and what turns them into its logits.
-template <typename T>
-struct StoredProducts {
-  const float* z;  // [rows, ld] float32
-  ModelLogits<T> f;
-};
-
-// The cluster of blocks that shares a row, and this block's slice of the row's columns.
-struct RowCluster {
-  unsigned rank = 0, size = 1;
-
-  __device__ static RowCluster current() {
-    RowCluster c;
-#if NITROBREW_CLUSTERS
-    const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    c.rank = cluster.block_rank();
-    c.size = cluster.num_blocks();
-#endif
-    return c;
-  }
-
-  // Every thread of every block of the cluster: shared memory written before is visible to all after.
-  __device__ __forceinline__ void sync() const {
-#if NITROBREW_CLUSTERS
-    cooperative_groups::this_cluster().sync();
-#else
-    __syncthreads();
-#endif
-  }
-
-  // Block r's copy of a shared-memory variable of this block.
-  template <typename X>
-  __device__ __forceinline__ X* peer(X* mine, unsigned r) const {
-#if NITROBREW_CLUSTERS
-    return cooperative_groups::this_cluster().map_shared_rank(mine, r);
-#else
-    return mine;
-#endif
-  }
-};
-
-// The columns of a row of `vocab` entries that block `rank` of a cluster of `size` takes.
-__host__ __device__ __forceinline__ int64_t row_slice_width(int64_t vocab, int64_t size) {
-  const int64_t width = (vocab + size - 1) / size;
-  return (width + kProductAlign - 1) / kProductAlign * kProductAlign;
-}
-
+// The (row, slice) of this block in a grid of rows x slices blocks (x fastest over slices).
 struct RowSlice {
-  int64_t begin, end;  // columns [begin, end)
+  int64_t row, slice;  // the row, and which of its slices
+  int64_t begin, end;  // columns [begin, end) of the row
 
-  __device__ static RowSlice of(int64_t vocab, const RowCluster& c) {
-    const int64_t width = row_slice_width(vocab, c.size);
-    const int64_t begin = width * c.rank < vocab ? width * c.rank : vocab;
-    return {begin, begin + width < vocab ? begin + width : vocab};
+  __device__ static RowSlice of_block(int64_t vocab, int64_t width, int64_t slices) {
+    const int64_t block = blockIdx.x, slice = block % slices, begin = slice * width;
+    return {block / slices, slice, begin, begin + width < vocab ? begin + width : vocab};
   }
   __device__ __forceinline__ int64_t size() const { return end - begin; }
 };
 
-// Where a block's slice of one row's products is read: a model's products at column `begin` of the row
-// (device memory or the staging buffer), with what turns them into its logits.
+// Where a block's slice of one row's products is read: a model's products at column `begin` of the row,
+// with what turns them into its logits.
 template <typename T>
 struct SliceSource {
   const float* zs;
@@ -125,32 +68,32 @@ __device__ __forceinline__ void load_logits(const SliceSource<T>& src, int64_t b
   }
 }
 
-// Calls f.chunk<kN>(ys, yt, v0) with the models' logits (before the temperature) of the slice: chunks
-// of 4 columns (one 16-byte load of each model's products), each thread taking every blockDim-th chunk
-// in order, four in flight (their loads issued before any is used: a block reading device memory needs
-// that many bytes in flight to keep up with it), then single columns for the rest. v0 is the chunk's
-// column in the row. Student-only walks (kTeacher false) pass ys as yt.
+// Calls f.chunk<kN>(ys, yt, v0) with the models' logits (before the temperature) of the slice
+// [begin, begin + count): chunks of 4 columns (one 16-byte load of each model's products), each thread
+// taking every blockDim-th chunk in order, four in flight (their loads issued before any is used), then
+// single columns for the rest. v0 is the chunk's column in the row. Student-only walks (kTeacher false)
+// pass ys as yt.
 template <bool kTeacher, typename T, typename F>
-__device__ __forceinline__ void for_each_product_chunk(const SliceSource<T>& src, const RowSlice& slice, F& f) {
+__device__ __forceinline__ void for_each_product_chunk(const SliceSource<T>& src, int64_t begin, int64_t count, F& f) {
   constexpr int kN = 4, kInFlight = 4;
-  const int64_t count = slice.size(), chunks = count / kN, step = blockDim.x;
+  const int64_t chunks = count / kN, step = blockDim.x;
   int64_t c = threadIdx.x;
   for (; c + (kInFlight - 1) * step < chunks; c += kInFlight * step) {
     float ys[kInFlight][kN], yt[kInFlight][kN];
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) load_logits<kN, kTeacher>(src, slice.begin, (c + i * step) * kN, ys[i], yt[i]);
+    for (int i = 0; i < kInFlight; ++i) load_logits<kN, kTeacher>(src, begin, (c + i * step) * kN, ys[i], yt[i]);
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) f.template chunk<kN>(ys[i], kTeacher ? yt[i] : ys[i], slice.begin + (c + i * step) * kN);
+    for (int i = 0; i < kInFlight; ++i) f.template chunk<kN>(ys[i], kTeacher ? yt[i] : ys[i], begin + (c + i * step) * kN);
   }
   for (; c < chunks; c += step) {
     float ys[kN], yt[kN];
-    load_logits<kN, kTeacher>(src, slice.begin, c * kN, ys, yt);
-    f.template chunk<kN>(ys, kTeacher ? yt : ys, slice.begin + c * kN);
+    load_logits<kN, kTeacher>(src, begin, c * kN, ys, yt);
+    f.template chunk<kN>(ys, kTeacher ? yt : ys, begin + c * kN);
   }
   for (int64_t k = chunks * kN + threadIdx.x; k < count; k += step) {
     float ys[1], yt[1];
-    load_logits<1, kTeacher>(src, slice.begin, k, ys, yt);
-    f.template chunk<1>(ys, kTeacher ? yt : ys, slice.begin + k);
+    load_logits<1, kTeacher>(src, begin, k, ys, yt);
+    f.template chunk<1>(ys, kTeacher ? yt : ys, begin + k);
   }
 }
 
@@ -171,41 +114,6 @@ __device__ __forceinline__ void store_chunk(T* row, int64_t v0, const T (&g)[kN]
 template <typename T>
 __device__ __forceinline__ void fill_slice(T* row, const RowSlice& slice, T value) {
   for (int64_t v = slice.begin + threadIdx.x; v < slice.end; v += blockDim.x) row[v] = value;
-}
-
-// The staging of slices in shared memory (Hopper; the calls compile to nothing below sm_90, where no
-// staged kernel is launched). One thread initializes `count` mbarriers for one arrival each, before a
-// barrier of the block.
-__device__ __forceinline__ void hopper_init_barriers(uint64_t* bars, int count) {
-#if NITROBREW_CLUSTERS
-  for (int i = 0; i < count; ++i) hopper::mbar_init(&bars[i], 1);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-// The phase of `bar` completes once `bytes` of copies have landed (one thread arrives).
-__device__ __forceinline__ void hopper_expect_bytes(uint64_t* bar, uint32_t bytes) {
-#if NITROBREW_CLUSTERS
-  hopper::mbar_arrive_expect_tx(bar, bytes);
-#endif
-}
-
-__device__ __forceinline__ void hopper_wait(uint64_t* bar, uint32_t parity) {
-#if NITROBREW_CLUSTERS
-  hopper::mbar_wait(bar, parity);
-#endif
-}
-
-// `bytes` (a multiple of 16) from device memory at src into this block's shared memory at dst,
-// completing on the mbarrier `bar`.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-#if NITROBREW_CLUSTERS
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          hopper::smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(hopper::smem_addr(bar))
-      : "memory");
-#endif
 }
 
 }  // namespace cuda
