@@ -60,9 +60,9 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
             (Cohere's logit_scale, 1 / Granite's logits_scaling), before the temperature.
         grad_in_forward, grad_chunk_mib: the training path, as in nitrobrew.forward_kl, for normalize="full"
             (its gradient touches every logit): the gradients formed in the forward from token chunks of
-            float32 logits, three matrix products in all; on the CPU only so far. None (automatic): on the CPU
-            outside torch.compile. normalize="topk" always takes the recompute path, which forms only the K
-            logits a token needs.
+            float32 logits, three matrix products in all; on the CPU only so far, and only when asked for (True):
+            there it measured as fast as the recompute path, which None (automatic) keeps. normalize="topk"
+            always takes the recompute path, which forms only the K logits a token needs.
         process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds a
             contiguous shard of ws (and bias_s), in rank order; xs and the teacher (whose ids stay global)
             are the same on every rank. Every rank gets the whole vocabulary's loss, xs.grad whole and

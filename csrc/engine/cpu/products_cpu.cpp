@@ -14,6 +14,10 @@ namespace cpu {
 void store_products(const at::Tensor& x_acc, const at::Tensor& w, at::Tensor& z, int64_t vocab_tile) {
   // (mm_out, which torch.autocast leaves alone: the products stay in the accumulation dtype under it.)
   const int64_t vocab = z.size(1);
+  if (w.scalar_type() == x_acc.scalar_type()) {  // nothing to convert: one product, straight into z
+    at::mm_out(z, x_acc, w.narrow(0, 0, vocab).t());
+    return;
+  }
   at::Tensor tile = at::empty({z.size(0), std::min(vocab_tile, vocab)}, z.options());
   for (int64_t v0 = 0; v0 < vocab; v0 += vocab_tile) {
     const int64_t cols = std::min(vocab_tile, vocab - v0);
