@@ -71,13 +71,65 @@ def gemm_run(xs, ws, mode):
     return run
 
 
+class _Composition(torch.autograd.Function):
+    """What a user composes from nitrobrew's logits kernels (issue 42's baseline, top-K's analogue): token
+    chunks of 2048, the chunk's student logits from cuBLAS in the inputs' dtype, dLoss/dz from
+    nitrobrew.logits.topk_kl and autograd in the forward, dxs = dz . ws and dws += dz^T . xs; the backward
+    only scales the saved gradients."""
+
+    chunk = 2048
+
+    @staticmethod
+    def forward(ctx, xs, ws, ids, lps, normalize):
+        dxs, dws = torch.empty_like(xs), torch.zeros_like(ws)
+        total = torch.zeros((), device=xs.device)
+        for c0 in range(0, xs.shape[0], _Composition.chunk):
+            c1 = c0 + _Composition.chunk
+            x = xs[c0:c1]
+            zs = (x @ ws.T).requires_grad_()
+            with torch.enable_grad():
+                chunk_loss = nitrobrew.logits.topk_kl(zs, ids[c0:c1], lps[c0:c1], normalize=normalize, reduction="sum")
+                (dz,) = torch.autograd.grad(chunk_loss, zs)
+            del zs
+            dxs[c0:c1] = dz @ ws
+            dws.addmm_(dz.T, x)
+            total += chunk_loss.detach()
+        ctx.save_for_backward(dxs, dws)
+        ctx.n = max(xs.shape[0], 1)
+        return total / ctx.n
+
+    @staticmethod
+    def backward(ctx, grad):
+        dxs, dws = ctx.saved_tensors
+        scale = grad / ctx.n
+        return dxs * scale, dws * scale, None, None, None
+
+
+# The methods timed against the products: nitrobrew (automatic path), its training path (normalize="full";
+# grad_in_forward=True), its recompute path (False), the composition above, naive PyTorch.
+METHODS = {
+    "nitrobrew": lambda xs, ws, ids, lps, normalize: nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize),
+    "nitrobrew_training": lambda xs, ws, ids, lps, normalize: nitrobrew.topk_kl(
+        xs, ws, ids, lps, normalize=normalize, grad_in_forward=torch.is_grad_enabled() or None),
+    "nitrobrew_recompute": lambda xs, ws, ids, lps, normalize: nitrobrew.topk_kl(
+        xs, ws, ids, lps, normalize=normalize, grad_in_forward=False),
+    "composition": lambda xs, ws, ids, lps, normalize: _Composition.apply(xs, ws, ids, lps, normalize),
+    "naive": lambda xs, ws, ids, lps, normalize: naive_topk(xs, ws, ids, lps, normalize),
+}
+
+
+def _training_only(method):
+    """Methods that are a training step (fwd_bwd), the training path for normalize="full" alone."""
+    return method in ("nitrobrew_training", "composition")
+
+
 def measure(method, normalize, mode, xs, ws, ids, lps, args):
     device = xs.device
     if method == "gemm":
         run = gemm_run(xs.detach(), ws.detach(), mode)
     else:
-        fn = (lambda *a: nitrobrew.topk_kl(*a, normalize=normalize)) if method == "nitrobrew" else (
-            lambda *a: naive_topk(*a, normalize))
+        def fn(*a):
+            return METHODS[method](*a, normalize)
 
         def run():
             if mode == "forward":
@@ -120,7 +172,7 @@ def main():
     p.add_argument("--shape", default="8192,152064,3584", help="N,V,D")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--topk", type=int, nargs="+", default=[32, 128, 512])
-    p.add_argument("--methods", nargs="+", choices=["nitrobrew", "naive"], default=["nitrobrew", "naive"])
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=["nitrobrew", "naive"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="measure every method this many times, one round after another")
@@ -140,7 +192,8 @@ def main():
     teachers = {k: teacher_topk(xs, ws, k) for k in args.topk}
     specs = [{"method": "gemm", "normalize": "", "K": "", "mode": mode} for mode in ("forward", "fwd_bwd")]
     specs += [{"method": method, "normalize": normalize, "K": k, "mode": mode} for k in args.topk
-              for normalize in ("full", "topk") for mode in ("forward", "fwd_bwd") for method in args.methods]
+              for normalize in ("full", "topk") for mode in ("forward", "fwd_bwd") for method in args.methods
+              if not _training_only(method) or (mode == "fwd_bwd" and normalize == "full")]
     for spec in specs:
         spec["label"] = f"{spec['method']} {spec['normalize']} K={spec['K']} {spec['mode']}"
 

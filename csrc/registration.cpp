@@ -47,6 +47,11 @@ TORCH_LIBRARY(nitrobrew, m) {
       "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
       "int vocab_size, int product_rows) -> (Tensor, Tensor)");
 
+  // The training path's stored products: x [N, D] . w[:vocab_size]^T [N, vocab_size] in the accumulation
+  // dtype (float32; float64 for float64 inputs, CPU only), the GEMM's only rounding (cuBLAS on CUDA), in
+  // rows with a stride of vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py).
+  m.def("products(Tensor x, Tensor w, int vocab_size) -> Tensor");
+
   // x * factor (a scalar tensor on x's device), computed in float32 (float64 for float64 x), in x's dtype:
   // how the training path's backward scales its saved gradients by the upstream gradient.
   m.def("scaled(Tensor x, Tensor factor) -> Tensor");

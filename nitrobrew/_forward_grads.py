@@ -1,5 +1,9 @@
 """The training path: a loss's gradients formed during its forward, its backward only scaling them.
 
+Two losses take it: the fused-linear ones (nitrobrew.forward_kl, reverse_kl, jsd) and top-K from hidden
+states with normalize="full" (nitrobrew.topk_kl). They share the chunk loop below and differ only in how
+a chunk's rows become their losses and G.
+
 A training step needs four matrix products for a student/teacher loss: both models' logits, then
 dxs = G . ws and dws = G^T . xs from G = dLoss/dz. The recompute path (the default for inference and
 reduction="none") saves per-row statistics in the forward and recomputes the logits in the backward: six
@@ -39,6 +43,12 @@ DEFAULT_CHUNK_MIB = 2048
 PRODUCT_ROWS = 512
 
 
+@torch.library.register_fake("nitrobrew::products")
+def _(x, w, vocab_size):
+    ld = (vocab_size + 7) // 8 * 8  # rows padded to 8 entries (registration.cpp)
+    return torch.empty_strided((x.shape[0], vocab_size), (ld, 1), dtype=stats_dtype(x.dtype), device=x.device)
+
+
 @torch.library.register_fake("nitrobrew::scaled")
 def _(x, factor):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -55,12 +65,18 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 
 
 # Where the automatic choice takes the training path: the devices where it measured faster than the
-# recompute path (docs/performance.md: ~0.91x its step on the CPU, ~0.7x on the H100).
+# recompute path (docs/performance.md: 0.83x its step on the CPU, 0.71-0.83x on the H100).
 AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
+# Top-K's (normalize="full"): where it runs so far (its CUDA products op has not been run on a GPU yet:
+# docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet, since on
+# the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
+TOPK_DEVICES = frozenset({"cpu"})
+TOPK_AUTOMATIC_DEVICES = frozenset()
 
 
-def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_type: str) -> bool:
-    """Whether the training path runs: asked for (True), or automatic (None) on AUTOMATIC_DEVICES; a
+def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_type: str,
+           automatic: frozenset = AUTOMATIC_DEVICES) -> bool:
+    """Whether the training path runs: asked for (True), or automatic (None) on the `automatic` devices; a
     scalar loss, and autograd recording a graph for one of the differentiable inputs (None allowed)."""
     if choice is not None and not isinstance(choice, bool):
         raise TypeError(f"grad_in_forward must be None (automatic), True or False, got {choice!r}")
@@ -71,7 +87,7 @@ def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_ty
             raise ValueError('grad_in_forward=True needs a scalar loss (reduction "sum" or "mean"): with '
                              'reduction="none" the gradient of each token depends on its upstream gradient')
         return False
-    if choice is None and (device_type not in AUTOMATIC_DEVICES or torch.compiler.is_compiling()):
+    if choice is None and (device_type not in automatic or torch.compiler.is_compiling()):
         return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
 
@@ -126,6 +142,26 @@ def _float16_range_scale(weight: Tensor) -> Tensor:
     return torch.exp2(-torch.round(torch.log2(weight)))
 
 
+def _scaled_gradients(ctx, grad_loss):
+    """The saved (dxs, dws, dbias_s) times the upstream gradient, each in its input's dtype."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
+                           "(create_graph=True) is not implemented")
+    dxs, dws, dbias, unscale = ctx.saved_tensors
+    xs_dtype, ws_dtype = ctx.dtypes
+    # dxs and dbias_s come from G stored times float16's range scale; dws does not (see _forward_grads).
+    ranged = grad_loss if unscale is None else grad_loss * unscale
+    # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
+    # a power of two: loss.backward()'s 1, or a loss scale).
+    return [None if t is None else ops.scaled(t, factor).to(dtype)
+            for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, grad_loss, ws_dtype), (dbias, ranged, ws_dtype))]
+
+
+def _save(ctx, xs, ws, saved):
+    ctx.save_for_backward(*saved)
+    ctx.dtypes = (xs.dtype, ws.dtype)
+
+
 class FusedLinearForwardGrads(torch.autograd.Function):
     """The fused-linear losses on the training path: forward returns the reduced loss and holds dxs, dws,
     dbias_s; backward scales them by the upstream gradient."""
@@ -133,39 +169,81 @@ class FusedLinearForwardGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, labels, bias_s, bias_t, options: tuple, reduction: str, chunk_bytes: int,
                 needs: tuple):
+        vocab = options[-1]
+
+        def grad_chunk(b0, b1, row_scale, product_rows):
+            return ops.fused_linear_grad_chunk(xs[b0:b1], xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1],
+                                               bias_s, bias_t, row_scale, *options, product_rows)
+
         # The products' dtypes are this path's own: torch.autocast (the caller's inputs are already cast)
         # must not round G or the hidden states again.
         with torch.autocast(xs.device.type, enabled=False):
-            loss, saved = _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction,
-                                                      chunk_bytes, needs)
-        ctx.save_for_backward(*saved)
-        ctx.dtypes = (xs.dtype, ws.dtype)
+            loss, saved = _forward_grads(xs, ws, labels, options[0], vocab, reduction, chunk_bytes, needs, grad_chunk)
+        _save(ctx, xs, ws, saved)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if torch.is_grad_enabled():
-            raise RuntimeError("nitrobrew's fused losses support one backward pass; double backward "
-                               "(create_graph=True) is not implemented")
-        dxs, dws, dbias, unscale = ctx.saved_tensors
-        xs_dtype, ws_dtype = ctx.dtypes
-        # dxs and dbias_s come from G stored times float16's range scale; dws does not (see below).
-        ranged = grad_loss if unscale is None else grad_loss * unscale
-        # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
-        # a power of two: loss.backward()'s 1, or a loss scale).
-        grads = [None if t is None else ops.scaled(t, factor).to(dtype)
-                 for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, grad_loss, ws_dtype),
-                                          (dbias, ranged, ws_dtype))]
-        return grads[0], None, grads[1], None, None, grads[2], None, None, None, None, None
+        dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
+        return dxs, None, dws, None, None, dbias, None, None, None, None, None
 
 
-def _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes, needs):
-    (ignore_index, _divergence, _beta, _temperature, _ce_weight, _softcap_s, _softcap_t, _scale_s, _scale_t,
-     vocab) = options
+class TopKForwardGrads(torch.autograd.Function):
+    """Top-K from hidden states (normalize="full") on the training path, as FusedLinearForwardGrads. A
+    step's rows: the student's float32 products (nitrobrew::products), its lm_head bias and logit scale,
+    then the logits family's top-K forward and backward (nitrobrew.logits.topk_kl's kernels) for their
+    losses and G."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, options: tuple, reduction: str,
+                chunk_bytes: int, needs: tuple):
+        ignore_index, temperature, logit_scale_s = options
+        vocab = ws.shape[0]
+        bias = None if bias_s is None else bias_s.to(stats_dtype(xs.dtype))
+
+        def grad_chunk(b0, b1, row_scale, product_rows):
+            n = b1 - b0
+            loss = xs.new_empty((n,), dtype=stats_dtype(xs.dtype))
+            ld = (vocab + 7) // 8 * 8  # as the fused-linear op's G
+            grad = torch.empty((n, ld), dtype=_grad_dtype(xs), device=xs.device)[:, :vocab]
+            for r0 in range(b0, b1, product_rows):
+                r1 = min(b1, r0 + product_rows)
+                z = ops.products(xs[r0:r1], ws, vocab)
+                if bias is not None:
+                    z.add_(bias)
+                if logit_scale_s != 1.0:
+                    z.mul_(logit_scale_s)
+                rows = (z, teacher_ids[r0:r1], teacher_logprobs[r0:r1], None if labels is None else labels[r0:r1])
+                loss_r, stats = ops.topk_logits_fwd(*rows, ignore_index, temperature, False)
+                dz = ops.topk_logits_bwd(row_scale.expand(r1 - r0).contiguous(), *rows, stats, ignore_index,
+                                         temperature, False)
+                if logit_scale_s != 1.0:  # G is dLoss/d(products + bias), as the fused-linear op's
+                    dz.mul_(logit_scale_s)
+                loss[r0 - b0:r1 - b0] = loss_r
+                grad[r0 - b0:r1 - b0] = dz
+            return loss, grad
+
+        with torch.autocast(xs.device.type, enabled=False):
+            loss, saved = _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, needs,
+                                         grad_chunk)
+        _save(ctx, xs, ws, saved)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
+        return dxs, dws, None, None, None, dbias, None, None, None, None
+
+
+def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, needs, grad_chunk):
+    """The chunk loop: grad_chunk(b0, b1, row_scale, product_rows) returns the losses of rows [b0, b1) and
+    their G (times row_scale, in _grad_dtype), from products of product_rows rows at a time. Returns the
+    reduced loss and what the backward scales: (dxs, dws, dbias_s, float16's unscale or None)."""
     need_dxs, need_dws, need_dbias = needs
     n = xs.shape[0]
     gdtype = _grad_dtype(xs)
     loss_dtype = stats_dtype(xs.dtype)
+    # Products (or the top-K path's logits and their gradient) of two [product_rows, V] matrices a step.
     chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(loss_dtype).bits // 8,
                          grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
     weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
@@ -189,9 +267,7 @@ def _fused_linear_forward_grads(xs, xt, ws, wt, labels, bias_s, bias_t, options,
     for b0 in range(0, max(n, 1), chunks.grad_rows):  # no token: one empty chunk, zero gradients
         b1 = min(n, b0 + chunks.grad_rows)
         xs_b = xs[b0:b1]
-        loss_b, grad_b = ops.fused_linear_grad_chunk(
-            xs_b, xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1], bias_s, bias_t, row_scale,
-            *options, chunks.product_rows)
+        loss_b, grad_b = grad_chunk(b0, b1, row_scale, chunks.product_rows)
         rows.append(loss_b)
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, distributed
+from nitrobrew import _checks, _forward_grads, distributed
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
 from nitrobrew._registration import ops, register_recompute_op, row_outputs
@@ -42,7 +42,8 @@ _KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
 def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
             ignore_index: int = -100, chunk_V: int | None = None, bias_s: Tensor | None = None,
-            logit_scale_s: float = 1.0, process_group=None) -> Tensor:
+            logit_scale_s: float = 1.0, grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None,
+            process_group=None) -> Tensor:
     """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
 
     Args:
@@ -57,6 +58,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
         bias_s: the student's [V] lm_head bias, or None. logit_scale_s: a positive multiplier of its logits
             (Cohere's logit_scale, 1 / Granite's logits_scaling), before the temperature.
+        grad_in_forward, grad_chunk_mib: the training path, as in nitrobrew.forward_kl, for normalize="full"
+            (its gradient touches every logit): the gradients formed in the forward from token chunks of
+            float32 logits, three matrix products in all; on the CPU only so far, and only when asked for (True):
+            there it measured as fast as the recompute path, which None (automatic) keeps. normalize="topk"
+            always takes the recompute path, which forms only the K logits a token needs.
         process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds a
             contiguous shard of ws (and bias_s), in rank order; xs and the teacher (whose ids stay global)
             are the same on every rank. Every rank gets the whole vocabulary's loss, xs.grad whole and
@@ -100,11 +106,30 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None
+    chunk_bytes = _forward_grads.chunk_budget_bytes(grad_chunk_mib)
+    if normalize == "topk" and grad_in_forward:
+        raise ValueError('grad_in_forward=True runs normalize="full" only: with "topk" the recompute path forms '
+                         'just the K logits a token needs, which no chunk of full logits can beat')
+    train = normalize == "full" and _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type,
+                                                          _forward_grads.TOPK_AUTOMATIC_DEVICES)
+    if train and xs.device.type not in _forward_grads.TOPK_DEVICES:
+        raise NotImplementedError(f"grad_in_forward=True: topk_kl's training path runs on the CPU only so far, not "
+                                  f"on {xs.device.type}; grad_in_forward=None or False takes the recompute path")
     if process_group is not None:
+        if grad_in_forward and train:
+            raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
+                                      "(process_group= or DTensor weights) yet; they take the recompute path "
+                                      "(grad_in_forward=None or False)")
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0)
         loss = distributed.topk_loss(xs.reshape(-1, xs.shape[-1]), ws, bias_s, teacher_ids.reshape(-1, k),
                                      teacher_logprobs.reshape(-1, k), flat_labels, call, process_group, tokens_sharded)
         return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
+    if train:  # the gradients formed in the forward (_forward_grads.py)
+        needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+        return _forward_grads.TopKForwardGrads.apply(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
+                                                     teacher_logprobs.reshape(-1, k), flat_labels, bias_s,
+                                                     (ignore_index, temperature, logit_scale_s), reduction,
+                                                     chunk_bytes, needs)
     loss, _ = ops.topk_linear_fwd(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
                                   teacher_logprobs.reshape(-1, k), flat_labels, bias_s, ignore_index, temperature,
                                   logit_scale_s, normalize == "topk", chunk_V or 0)

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../divergence/cpu_passes.h"
+#include "../engine/cpu/products.h"
 #include "fused_linear_params.h"
 
 namespace nitrobrew {
@@ -20,19 +21,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kRowStrideAlign = 8;  // the row stride of G, as on CUDA
-
-// z[:, :] = x . w[:vocab]^T in the accumulation dtype, the weight converted one vocabulary tile at a time.
-// (mm_out, which torch.autocast leaves alone: the products stay in the accumulation dtype under it.)
-void store_products(const at::Tensor& x_acc, const at::Tensor& w, at::Tensor& z, int64_t vocab_tile) {
-  const int64_t vocab = z.size(1);
-  at::Tensor tile = at::empty({z.size(0), std::min(vocab_tile, vocab)}, z.options());
-  for (int64_t v0 = 0; v0 < vocab; v0 += vocab_tile) {
-    const int64_t cols = std::min(vocab_tile, vocab - v0);
-    at::Tensor out = tile.narrow(1, 0, cols);
-    at::mm_out(out, x_acc, w.narrow(0, v0, cols).to(x_acc.scalar_type()).t());
-    z.narrow(1, v0, cols).copy_(out);
-  }
-}
 
 template <typename scalar_t>
 std::tuple<at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,

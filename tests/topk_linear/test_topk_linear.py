@@ -48,9 +48,11 @@ def values_and_grads(fn, xs, ws, ids, lps, upstream, bias_s=None, **options):
     return (loss.detach().cpu(), *(g.cpu() for g in grads))
 
 
-def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", chunk_V=None, **options):
+def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", chunk_V=None,
+          grad_in_forward=None, grad_chunk_mib=None, **options):
     """nitrobrew on `device` vs the float64 oracle, within k x the error of the reference in the
-    precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors."""
+    precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors.
+    chunk_V, grad_in_forward and grad_chunk_mib are nitrobrew's alone (the path it takes)."""
     reduction = options.get("reduction", "mean")
     shape = xs.shape[:-1] if reduction == "none" else ()
     upstream = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -63,7 +65,8 @@ def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cp
 
     on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
     ours = values_and_grads(nitrobrew.topk_kl, to_device(xs, device), to_device(ws, device), ids.to(device),
-                            lps.to(device), upstream, chunk_V=chunk_V, **on_device)
+                            lps.to(device), upstream, chunk_V=chunk_V, grad_in_forward=grad_in_forward,
+                            grad_chunk_mib=grad_chunk_mib, **on_device)
 
     def in_dtype(dtype):
         return {key: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
@@ -312,15 +315,19 @@ def test_opcheck(renormalize, bias, device):
                                row_stats, *args[4:], *compute))
 
 
+@pytest.mark.parametrize("grad_in_forward", [None, True])  # automatic (the recompute path while compiling), training
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_fullgraph_with_backward(dynamic, device):
+def test_torch_compile_fullgraph_with_backward(dynamic, grad_in_forward, device):
+    if grad_in_forward and device not in nitrobrew._forward_grads.TOPK_DEVICES:
+        pytest.skip(f"the top-K training path does not run on {device} yet")
     xs, ws, ids, lps, labels = make_problem(lead=(2, 4), v=90, k=6, masked_rows=True)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
 
     bias_s = torch.randn(90, device=device)
 
     def step(a, w, ids, lps, labels, b):
-        return nitrobrew.topk_kl(a, w, ids, lps, temperature=2.0, labels=labels, bias_s=b, logit_scale_s=0.5) * 2.0
+        return nitrobrew.topk_kl(a, w, ids, lps, temperature=2.0, labels=labels, bias_s=b, logit_scale_s=0.5,
+                                 grad_in_forward=grad_in_forward) * 2.0
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
     results = []
