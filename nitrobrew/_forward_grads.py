@@ -70,7 +70,7 @@ AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
 # Top-K's (normalize="full"): where it runs so far (its CUDA products op has not been run on a GPU yet:
 # docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet, since on
 # the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
-TOPK_DEVICES = frozenset({"cpu"})
+TOPK_DEVICES = frozenset({"cpu", "cuda"})
 TOPK_AUTOMATIC_DEVICES = frozenset()
 
 
