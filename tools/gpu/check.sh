@@ -10,7 +10,8 @@
 #   test_sm80    the same with the sm_80 (mma.sync) kernels forced on this GPU
 #   sanitize     every family's sanitizer cases (pytest -m sanitize) under compute-sanitizer memcheck
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
-#   test_training  the training path's tests alone (gradients in the forward), auto and sm_80 kernels
+#   test_training  the training path's tests alone (gradients in the forward; fused-linear and top-K), auto and
+#                sm_80 kernels
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
@@ -85,7 +86,8 @@ for step in $steps; do
       done ;;
     test_training) run test_training python3 -m pytest -q --maxfail=20 -p no:cacheprovider \
                      tests/fused_linear/test_training_path.py tests/fused_linear/test_fused_linear_cuda.py \
-                     tests/fused_linear/test_fused_linear_values.py -k "cuda or training" ;;
+                     tests/fused_linear/test_fused_linear_values.py tests/topk_linear/test_topk_linear_training_path.py \
+                     -k "cuda or training" ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
     bench_training)
       shapes=()
