@@ -1,7 +1,7 @@
 """Benchmark a whole distillation training step on Hugging Face models: step time and peak GPU memory
 against sequence length -> CSV (+ PNG plot).
 
-    python benchmarks/hf_step.py --model qwen                 # CUDA: T = 4096 ... 131072, all three methods
+    python benchmarks/hf_step.py --model qwen                 # CUDA: T = 4096 ... 131072: nitrobrew, logits, liger
     python benchmarks/hf_step.py --model llama --llama-layers 2 --tokens 4096 8192 16384
     python benchmarks/hf_step.py --check                      # only compare the losses at the smallest T
     python benchmarks/hf_step.py --device cpu --tiny --methods nitrobrew logits --out /tmp/hf_step.csv
@@ -10,7 +10,9 @@ A step, batch 1, bf16, models built from configs with random init (no downloads)
 no grad), student forward with gradient checkpointing, forward KL(teacher || student) per token (mean over
 the T-1 shifted positions), backward, torch.optim.SGD (lr 1e-4, no momentum: no optimizer state),
 zero_grad(set_to_none=True). Methods:
-  nitrobrew  nitrobrew.hf.distillation_loss(student, teacher, ids, loss="forward_kl") (decoders without lm_head)
+  nitrobrew  nitrobrew.hf.distillation_loss(student, teacher, ids, loss="forward_kl") (decoders without lm_head;
+             the automatic path: the training path, gradients in the forward)
+  nitrobrew_recompute  the same with grad_in_forward=False (not run by default)
   logits     the models' own .logits, the causal shift, float32 F.kl_div(log_softmax(s), log_softmax(t),
              log_target=True, reduction="batchmean"): what users write today
   liger      decoders without lm_head, then liger-kernel's LigerFusedLinearJSD(jsd_beta=0) on the lm_heads
@@ -64,6 +66,10 @@ def loss_nitrobrew(student, teacher, ids):
     return nitrobrew.hf.distillation_loss(student, teacher, ids, loss="forward_kl")
 
 
+def loss_nitrobrew_recompute(student, teacher, ids):
+    return nitrobrew.hf.distillation_loss(student, teacher, ids, loss="forward_kl", grad_in_forward=False)
+
+
 def loss_logits(student, teacher, ids):
     s = student(input_ids=ids, use_cache=False).logits[:, :-1]  # the causal shift: positions 0 .. T-2
     with torch.no_grad():
@@ -86,7 +92,9 @@ def loss_liger(student, teacher, ids):
         h_t.reshape(-1, h_t.shape[-1]), teacher.get_output_embeddings().weight, None)
 
 
-METHODS = {"nitrobrew": loss_nitrobrew, "logits": loss_logits, "liger": loss_liger}
+METHODS = {"nitrobrew": loss_nitrobrew, "nitrobrew_recompute": loss_nitrobrew_recompute, "logits": loss_logits,
+           "liger": loss_liger}
+DEFAULT_METHODS = ["nitrobrew", "logits", "liger"]
 
 
 def build(name, role, args, device, tied=None):
@@ -311,7 +319,7 @@ def summarize(rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", choices=list(PAIRS), default=list(PAIRS))
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
     p.add_argument("--tokens", type=int, nargs="+", help="default 4096 ... 131072 (--tiny: 64 128)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-step-seconds", type=float, default=20.0, help="no larger T after a slower median step")

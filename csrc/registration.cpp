@@ -48,8 +48,8 @@ TORCH_LIBRARY(nitrobrew, m) {
       "int vocab_size, int product_rows) -> (Tensor, Tensor)");
 
   // The training path's stored products: x [N, D] . w[:vocab_size]^T [N, vocab_size] in the accumulation
-  // dtype (float32; float64 for float64 inputs, CPU only), the GEMM's only rounding (cuBLAS on CUDA), in
-  // rows with a stride of vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py).
+  // dtype (float32; float64 for float64 inputs), the GEMM's only rounding, in rows with a stride of
+  // vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py); a CPU kernel so far.
   m.def("products(Tensor x, Tensor w, int vocab_size) -> Tensor");
 
   // x * factor (a scalar tensor on x's device), computed in float32 (float64 for float64 x), in x's dtype:

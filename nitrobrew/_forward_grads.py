@@ -11,7 +11,7 @@ products. This path walks the tokens in chunks instead. For each chunk,
 
     both models' products are formed once, in float32, `product_rows` rows at a time
     (fused_linear_grad_chunk), and turned into the rows' losses and G (scaled by the reduction's
-    weight) in one pass over them;
+    weight) by row kernels that read them twice (three times for JSD);
     dxs[chunk] = G . ws, dws += G^T . xs[chunk], dbias_s += column sums of G.
 
 The forward then holds the whole loss's gradients; autograd's backward multiplies them by the upstream
@@ -67,9 +67,9 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 # Where the automatic choice takes the training path: the devices where it measured faster than the
 # recompute path (docs/performance.md: 0.83x its step on the CPU, 0.71-0.83x on the H100).
 AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
-# Top-K's (normalize="full"): where it runs so far (its CUDA products op has not been run on a GPU yet:
-# docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet, since on
-# the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
+# Top-K's (normalize="full"): where it runs (on CUDA with the products op of this branch, which has not run on
+# a GPU yet: docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet,
+# since on the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
 TOPK_DEVICES = frozenset({"cpu", "cuda"})
 TOPK_AUTOMATIC_DEVICES = frozenset()
 
@@ -90,6 +90,31 @@ def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_ty
     if choice is None and (device_type not in automatic or torch.compiler.is_compiling()):
         return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+
+
+# The most chunks of G the automatic choice accepts where dws is accumulated in 16 bits (CUDA, bf16 or
+# fp16 inputs): each chunk after the first rounds dws once more. Simulated (bf16, docs/notes/
+# fused_linear_training_path.md): dws's error is 1.22x / 1.42x / 1.57x / 2.10x that of one rounding at 2 /
+# 3 / 4 / 8 chunks; with the recompute path's own error (1.4x one rounding) 4 chunks stay within ~1.3x of
+# it. Past that (Qwen's vocabulary, the default bound: ~18k tokens) the automatic choice takes the
+# recompute path; grad_in_forward=True still takes this one, and a larger grad_chunk_mib means fewer chunks.
+MAX_AUTOMATIC_CHUNKS = 4
+
+
+def rounded_chunks(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
+    """How many times the training path rounds dws to 16 bits for n tokens (1 where it accumulates in float32)."""
+    gdtype = dtype if device_type == "cuda" else stats_dtype(dtype)
+    if torch.finfo(gdtype).bits > 16:
+        return 1
+    chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(stats_dtype(dtype)).bits // 8,
+                         grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
+    return math.ceil(max(n, 1) / chunks.grad_rows)
+
+
+def automatic_fits(choice: bool | None, n: int, vocab: int, dtype: torch.dtype, device_type: str,
+                   chunk_bytes: int) -> bool:
+    """False where the automatic choice (None) should keep the recompute path for dws's accuracy."""
+    return choice is not None or rounded_chunks(n, vocab, dtype, device_type, chunk_bytes) <= MAX_AUTOMATIC_CHUNKS
 
 
 def chunk_budget_bytes(grad_chunk_mib) -> int:

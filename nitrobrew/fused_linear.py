@@ -169,6 +169,9 @@ def _fused_linear_loss(
                                              teacher_whole)
         return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
+    n_tokens = xs.numel() // xs.shape[-1]
+    train = train and _forward_grads.automatic_fits(grad_in_forward, n_tokens, vocab_size, xs.dtype, xs.device.type,
+                                                    chunk_bytes)
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
         _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
 
@@ -209,8 +212,10 @@ Args:
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
         a graph for xs, ws or bias_s. Automatic: the training path wherever it can run (CPU and CUDA),
-        except under torch.compile and over vocabulary shards; it measured faster (docs/performance.md)
-        at up to grad_chunk_mib more memory. False keeps the recompute path's smaller footprint.
+        except under torch.compile, over vocabulary shards, and where 16-bit dws would be rounded in more
+        than 4 chunks (long sequences: raise grad_chunk_mib, or pass True); it measured faster
+        (docs/performance.md) at up to grad_chunk_mib more memory. False keeps the recompute path's
+        smaller footprint.
     grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
         and its dLoss/dz (at least one token's). Larger chunks read and write dws fewer times. The
         gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of

@@ -172,7 +172,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
                       labels: Tensor | None = None, loss: str = "forward_kl", beta: float = 0.5,
                       temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
                       vocab_size: int | None = None, ignore_index: int = -100, check: bool = True,
-                      grad_in_forward: bool | None = None) -> Tensor:
+                      grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None) -> Tensor:
     """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final
     hidden states and unembeddings: no [B, T, V] tensor is formed.
 
@@ -184,7 +184,8 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     vocab_size: the real vocabulary when the two lm_heads have different row counts (padding).
     check: verify once per model that its unembedding reproduces its own logits (a short forward of 8
     tokens); a family whose logit transform nitrobrew does not know raises instead of a wrong loss.
-    grad_in_forward: which path forms the gradients (nitrobrew.forward_kl's option; None: automatic).
+    grad_in_forward, grad_chunk_mib: which path forms the gradients, and the training path's memory bound
+    (nitrobrew.forward_kl's options; None: automatic, 2048 MiB).
     The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
@@ -207,7 +208,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
                    ce_weight=ce_weight, vocab_size=vocab_size, bias_s=u_s.bias, bias_t=bias_t,
                    logit_scale_s=u_s.scale, logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap,
-                   grad_in_forward=grad_in_forward)
+                   grad_in_forward=grad_in_forward, grad_chunk_mib=grad_chunk_mib)
     if loss == "jsd":
         return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
     fn = forward_kl if loss == "forward_kl" else reverse_kl

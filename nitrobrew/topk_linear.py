@@ -112,6 +112,8 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
                          'just the K logits a token needs, which no chunk of full logits can beat')
     train = normalize == "full" and _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type,
                                                           _forward_grads.TOPK_AUTOMATIC_DEVICES)
+    train = train and _forward_grads.automatic_fits(grad_in_forward, xs.numel() // xs.shape[-1], ws.shape[0],
+                                                    xs.dtype, xs.device.type, chunk_bytes)
     if train and xs.device.type not in _forward_grads.TOPK_DEVICES:
         raise NotImplementedError(f"grad_in_forward=True: topk_kl's training path runs on the CPU only so far, not "
                                   f"on {xs.device.type}; grad_in_forward=None or False takes the recompute path")

@@ -75,6 +75,18 @@ def test_topk_linear_benchmark_smoke(tmp_path):
     bad = subprocess.run([sys.executable, script, "--device", "cpu", "--rounds", "0"], capture_output=True, text=True,
                          env=env, timeout=600)
     assert bad.returncode == 2 and "--rounds" in bad.stderr, bad.stderr
+    # The training-step methods: the training path and the composition time "full" fwd + bwd alone.
+    out2 = tmp_path / "topk_linear_paths.csv"
+    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "40,300,32", "--topk", "4",
+                             "--dtype", "float32", "--rounds", "1", "--repeats", "1", "--warmup", "0", "--methods",
+                             "nitrobrew_training", "nitrobrew_recompute", "composition", "--out", str(out2)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out2.open()))
+    timed = sorted((row["method"], row["normalize"], row["mode"]) for row in rows if row["method"] != "gemm")
+    assert timed == sorted([("nitrobrew_training", "full", "fwd_bwd"), ("composition", "full", "fwd_bwd")] +
+                           [("nitrobrew_recompute", n, m) for n in ("full", "topk") for m in ("forward", "fwd_bwd")])
+    assert all(row["status"] == "ok" for row in rows), rows
 
 
 def test_vocab_parallel_benchmark_smoke(tmp_path):

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import nitrobrew
-from conftest import CUDA
+from conftest import CUDA, DEV_BUILD
 
 pytestmark = [CUDA, pytest.mark.sanitize]
 
 
 # The recompute path (the vocabulary walk's passes and the chunked backward), then the training path
-# (cuBLAS products and the row kernel, in clusters of blocks on Hopper).
+# (cuBLAS products and the row kernels over slices of rows).
 PATHS = pytest.mark.parametrize("grad_in_forward", [False, True])
 
 
@@ -75,7 +75,7 @@ def test_bias_and_logit_scale_once(grad_in_forward):
             assert torch.isfinite(loss) and torch.isfinite(bias_s.grad).all() and torch.isfinite(ws.grad).all()
 
 
-@pytest.mark.parametrize("slice_cols", [None, "1000"])
+@pytest.mark.parametrize("slice_cols", [None, pytest.param("1000", marks=DEV_BUILD)])
 def test_training_path_row_slices_once(monkeypatch, slice_cols):
     # The row kernels over slices of rows, the default width and (development builds) 1000 columns, the
     # last slice short: masked rows, the CE add-on, and JSD's mixture launch.

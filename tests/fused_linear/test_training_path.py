@@ -53,6 +53,33 @@ def test_which_path_runs(device, case, expected):
         assert ops_run(lambda: nitrobrew.jsd(xs, xt, ws, wt, beta=0.4, **kw)) == {expected}
 
 
+def test_automatic_choice_counts_the_roundings_of_dws():
+    # Where dws is accumulated in 16 bits (CUDA, bf16 / fp16 inputs) the automatic choice takes the training
+    # path for at most MAX_AUTOMATIC_CHUNKS chunks of G; float32 accumulators (the CPU, float32 inputs) any.
+    fg = nitrobrew._forward_grads
+    budget = fg.chunk_budget_bytes(None)
+    assert fg.rounded_chunks(8192, 152064, torch.bfloat16, "cuda", budget) == 2
+    assert fg.rounded_chunks(65536, 152064, torch.bfloat16, "cuda", budget) > fg.MAX_AUTOMATIC_CHUNKS
+    assert fg.rounded_chunks(65536, 152064, torch.bfloat16, "cpu", budget) == 1
+    assert fg.rounded_chunks(65536, 152064, torch.float32, "cuda", budget) == 1
+    assert not fg.automatic_fits(None, 65536, 152064, torch.float16, "cuda", budget)
+    assert fg.automatic_fits(True, 65536, 152064, torch.float16, "cuda", budget)
+    assert fg.automatic_fits(None, 65536, 152064, torch.bfloat16, "cuda", fg.chunk_budget_bytes(16384))
+
+
+@CUDA
+def test_automatic_choice_keeps_the_recompute_path_past_four_roundings():
+    # bf16 tokens under a 1 MiB bound: 300 (2 chunks of G) take the training path, 1200 (5 chunks) not.
+    fg = nitrobrew._forward_grads
+    assert fg.rounded_chunks(300, 1001, torch.bfloat16, "cuda", 1 << 20) <= fg.MAX_AUTOMATIC_CHUNKS
+    assert fg.rounded_chunks(1200, 1001, torch.bfloat16, "cuda", 1 << 20) > fg.MAX_AUTOMATIC_CHUNKS
+    names = {}
+    for n in (300, 1200):
+        xs, xt, ws, wt, _ = make_problem(n=n, v=1001, d_s=64, d_t=48, dtype=torch.bfloat16, device="cuda")
+        names[n] = ops_run(lambda: nitrobrew.jsd(xs.requires_grad_(), xt, ws, wt, grad_chunk_mib=1))
+    assert names == {300: {CHUNK_OP}, 1200: {FORWARD_OP}}, names
+
+
 def test_bad_options_are_clear_errors():
     xs, xt, ws, wt, labels = _problem("cpu")
     with pytest.raises(ValueError, match="grad_in_forward=True needs a scalar loss"):

@@ -19,7 +19,8 @@
 #   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
-#   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama")
+#   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama",
+#                HF_METHODS, HF_TOKENS)
 #   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
 #   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
 #   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
@@ -109,7 +110,8 @@ for step in $steps; do
                            --methods cublas_gemms nitrobrew nitrobrew_bias nitrobrew_scale \
                            --out "$OUT/fused_linear_model_options_cuda.csv" ;;
     hf_step) for pair in ${HF_PAIRS:-qwen llama}; do
-               run "hf_step_$pair" python3 benchmarks/hf_step.py --model "$pair" --out "$OUT/hf_step_${pair}_cuda.csv"
+               run "hf_step_$pair" python3 benchmarks/hf_step.py --model "$pair" ${HF_METHODS:+--methods $HF_METHODS} \
+                 ${HF_TOKENS:+--tokens $HF_TOKENS} --out "$OUT/hf_step_${pair}_cuda.csv"
              done ;;
     bench_vocab_parallel) gpus=$(nvidia-smi -L | wc -l); counts=$(for g in 1 2 4 8; do [ "$g" -le "$gpus" ] && echo "$g"; done)
                           run bench_vocab_parallel python3 benchmarks/vocab_parallel.py --gpus $counts \
