@@ -103,12 +103,9 @@ MAX_AUTOMATIC_CHUNKS = 4
 
 def rounded_chunks(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
     """How many times the training path rounds dws to 16 bits for n tokens (1 where it accumulates in float32)."""
-    gdtype = dtype if device_type == "cuda" else stats_dtype(dtype)
-    if torch.finfo(gdtype).bits > 16:
+    if torch.finfo(grad_dtype(dtype, device_type)).bits > 16:
         return 1
-    chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(stats_dtype(dtype)).bits // 8,
-                         grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
-    return math.ceil(max(n, 1) / chunks.grad_rows)
+    return math.ceil(max(n, 1) / chunk_plan(n, vocab, dtype, device_type, chunk_bytes).grad_rows)
 
 
 def automatic_fits(choice: bool | None, n: int, vocab: int, dtype: torch.dtype, device_type: str,
@@ -147,9 +144,20 @@ def plan_chunks(n: int, vocab: int, *, product_bytes: int, grad_bytes: int, budg
     return Chunks(min(grad_rows, n), product_rows)
 
 
-def _grad_dtype(x: Tensor) -> torch.dtype:
+def grad_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     """G's dtype: the inputs' on CUDA (the tensor cores' operand), the accumulation dtype on the CPU."""
-    return x.dtype if x.device.type == "cuda" else stats_dtype(x.dtype)
+    return dtype if device_type == "cuda" else stats_dtype(dtype)
+
+
+def _grad_dtype(x: Tensor) -> torch.dtype:
+    return grad_dtype(x.dtype, x.device.type)
+
+
+def chunk_plan(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> Chunks:
+    """The chunks the training path takes for n tokens of `dtype` inputs: a step holds two [product_rows, V]
+    matrices in the accumulation dtype (both models' products, or top-K's logits and their gradient)."""
+    return plan_chunks(n, vocab, product_bytes=2 * torch.finfo(stats_dtype(dtype)).bits // 8,
+                       grad_bytes=torch.finfo(grad_dtype(dtype, device_type)).bits // 8, budget=chunk_bytes)
 
 
 def _row_weight(n: int, reduction: str, flat_labels: Tensor | None, ignore_index: int, device, dtype) -> Tensor:
@@ -268,9 +276,7 @@ def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, 
     n = xs.shape[0]
     gdtype = _grad_dtype(xs)
     loss_dtype = stats_dtype(xs.dtype)
-    # Products (or the top-K path's logits and their gradient) of two [product_rows, V] matrices a step.
-    chunks = plan_chunks(n, vocab, product_bytes=2 * torch.finfo(loss_dtype).bits // 8,
-                         grad_bytes=torch.finfo(gdtype).bits // 8, budget=chunk_bytes)
+    chunks = chunk_plan(n, vocab, xs.dtype, xs.device.type, chunk_bytes)
     weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
     # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
     # over every token that could leave float16's range at that scale, takes it out at once through the

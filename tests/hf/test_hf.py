@@ -225,6 +225,20 @@ def test_bad_arguments():
         nitrobrew.hf.distillation_loss(student, teacher, input_ids, labels=[1, 2])
     with pytest.raises(ValueError, match="no linear output embedding"):
         nitrobrew.hf.unembedding(torch.nn.Linear(3, 4))
+    with pytest.raises(ValueError, match="grad_chunk_mib must be a positive int"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, grad_chunk_mib=0)
+    with pytest.raises(TypeError, match="grad_in_forward must be None"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, grad_in_forward="yes")
+
+
+def test_the_training_path_options_reach_the_loss():
+    # grad_chunk_mib bounds the training path's chunks: the same loss and gradients from one chunk and many.
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=12)
+    input_ids, attention_mask = batch()
+    runs = [values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids,
+                                                                    attention_mask=attention_mask, **kw), student)
+            for kw in (dict(grad_in_forward=False), dict(grad_in_forward=True, grad_chunk_mib=1))]
+    assert_same(*runs)
 
 
 def test_a_compiled_student():

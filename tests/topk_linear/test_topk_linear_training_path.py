@@ -161,6 +161,17 @@ def test_products_op_matches_a_float32_product_on_cuda():
     torch.testing.assert_close(z, x.float() @ w[:1001].float().T, rtol=1e-5, atol=1e-4)
 
 
+def test_products_op_rejects_bad_shapes():
+    ops = nitrobrew._registration.ops
+    x, w = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(RuntimeError, match=r"vocab_size must be in \[0, 10\]"):
+        ops.products(x, w, 11)
+    with pytest.raises(RuntimeError, match=r"x must be \[N, D\] and w \[V, D\]"):
+        ops.products(x, torch.randn(10, 7), 10)
+    with pytest.raises(RuntimeError, match="share one floating dtype"):
+        ops.products(x, w.double(), 10)
+
+
 def test_products_op_opcheck(device):
     needs_training_path(device)
     x = torch.randn(9, 24, device=device)
