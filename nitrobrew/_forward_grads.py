@@ -67,10 +67,10 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 # Where the automatic choice takes the training path: the devices where it measured faster than the
 # recompute path (docs/performance.md: 0.83x its step on the CPU, 0.71-0.83x on the H100).
 AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
-# Top-K's (normalize="full"): where it runs so far (nitrobrew::products has a CPU kernel only; the CUDA one
-# has not run on a GPU yet: docs/notes/fused_linear_training_path.md), and where the automatic choice takes
-# it: nowhere yet, since on the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
-TOPK_DEVICES = frozenset({"cpu"})
+# Top-K's (normalize="full"): where it runs (on CUDA with the products op of this branch, which has not run on
+# a GPU yet: docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet,
+# since on the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
+TOPK_DEVICES = frozenset({"cpu", "cuda"})
 TOPK_AUTOMATIC_DEVICES = frozenset()
 
 

@@ -155,7 +155,12 @@ struct CEAccumulator {
 #pragma unroll
       for (int k = 0; k < kN; ++k) st.l += ex(y[k] - st.m);
     }
-    if (label >= v0 && label < v0 + kN) label_logit = y[label - v0];
+    // A compare per entry, not y[label - v0]: indexing the array at run time would place it, and the
+    // caller's arrays it is part of, in local memory for every chunk.
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      if (v0 + k == label) label_logit = y[k];
+    }
   }
 };
 

@@ -114,7 +114,7 @@ struct GradFold {
   template <int kN>
   __device__ __forceinline__ void chunk(const float (&ys)[kN], const float (&yt)[kN], int64_t v0) {
     const RowExp<T, float> ex;
-    alignas(16) T g[kN];
+    float g[kN];
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       const float s = scale_logit(ys[k], inv_t), t = scale_logit(yt[k], inv_t);
@@ -124,7 +124,7 @@ struct GradFold {
       float d = zero ? 0.f
                      : divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, ex) * inv_t;
       if (ce_weight != 0.f) d += ce_weight * (ex(log_prob(ys[k], norm_ce)) - (v0 + k == label ? 1.f : 0.f));
-      g[k] = from_acc<T>(d * softcap_grad_from_capped(ys[k], softcap_s) * scale);
+      g[k] = d * softcap_grad_from_capped(ys[k], softcap_s) * scale;
     }
     store_chunk<kN>(row, v0, g);
   }
@@ -132,7 +132,7 @@ struct GradFold {
 
 // Partials: a slice's unfinished row state (masked rows: none; merge_rows_kernel skips them).
 template <typename T, bool kWeightByStudent>
-__global__ void __launch_bounds__(kProductRowThreads) row_partials_kernel(const ProductRowArgs<T> a) {
+__global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_partials_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   if (a.masked(r.row)) return;
   const int64_t label = a.labels != nullptr ? a.labels[r.row] : -1;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kProductRowThreads) row_mixture_kernel(const P
 
 // dLoss/dz of a slice: 0 for masked rows, NaN throughout for undefined ones (docs/design.md, section 7).
 template <typename T>
-__global__ void __launch_bounds__(kProductRowThreads) row_grads_kernel(const ProductRowArgs<T> a) {
+__global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_grads_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   T* row = a.grad + r.row * a.ld_grad;
   if (a.masked(r.row)) return fill_slice(row, r, from_acc<T>(0.f));

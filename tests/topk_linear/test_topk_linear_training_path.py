@@ -150,14 +150,6 @@ def test_no_token(device):
     assert loss.item() == 0 and dxs.shape == a.shape and not dws.any()
 
 
-def test_cuda_is_a_clear_error_for_now():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    xs, ws, ids, lps, _ = (t.cuda() for t in make_problem(v=300, k=8))
-    with pytest.raises(NotImplementedError, match="CPU only so far"):
-        nitrobrew.topk_kl(xs.requires_grad_(), ws, ids, lps, grad_in_forward=True)
-
-
 @CUDA
 @pytest.mark.skipif("cuda" not in TRAINING_DEVICES, reason="the CUDA products op awaits a GPU run")
 def test_products_op_matches_a_float32_product_on_cuda():

@@ -6,7 +6,11 @@
 // device memory at the rate of a copy.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "../numerics.h"
 #include "cuda_types.h"
@@ -16,6 +20,9 @@ namespace nitrobrew {
 namespace cuda {
 
 constexpr int kProductRowThreads = 256;
+// Blocks a SM the row kernels are compiled for (at most 64 registers a thread): with 74 registers 3 fit,
+// and ncu saw the partials kernel at 53% of the DRAM bandwidth (docs/notes/fused_linear_training_path.md).
+constexpr int kProductRowBlocksPerSM = 4;
 // Row strides of the stored products and of dLoss/dz, and the slices' widths, are multiples of 8
 // entries: 32 bytes of float32 products, 16 of a 16-bit gradient, so that every vector access is aligned.
 constexpr int64_t kProductAlign = 8;
@@ -97,16 +104,32 @@ __device__ __forceinline__ void for_each_product_chunk(const SliceSource<T>& src
   }
 }
 
-// Stores kN values of a row of dLoss/dz at column v0 (a multiple of kN when kN > 1): one vector store.
+// Two values rounded to a 16-bit T, packed in one 32-bit register (a, then b).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float a, float b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
+           uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16;
+  } else {
+    return uint32_t(__half_as_ushort(__float2half_rn(a))) | uint32_t(__half_as_ushort(__float2half_rn(b))) << 16;
+  }
+}
+
+// Stores kN values of a row of dLoss/dz at column v0 (a multiple of kN when kN > 1), rounded to T: one
+// vector store of registers packed in pairs (a T array reinterpreted as a vector would live in local
+// memory).
 template <int kN, typename T>
-__device__ __forceinline__ void store_chunk(T* row, int64_t v0, const T (&g)[kN]) {
-  if constexpr (kN * sizeof(T) == 8) {
-    *reinterpret_cast<uint2*>(row + v0) = *reinterpret_cast<const uint2*>(g);
-  } else if constexpr (kN * sizeof(T) == 16) {
-    *reinterpret_cast<uint4*>(row + v0) = *reinterpret_cast<const uint4*>(g);
+__device__ __forceinline__ void store_chunk(T* row, int64_t v0, const float (&g)[kN]) {
+  if constexpr (kN == 4 && sizeof(T) == 2) {
+    uint2 packed;
+    packed.x = pack_pair<T>(g[0], g[1]);
+    packed.y = pack_pair<T>(g[2], g[3]);
+    *reinterpret_cast<uint2*>(row + v0) = packed;
+  } else if constexpr (kN == 4 && sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(row + v0) = make_float4(g[0], g[1], g[2], g[3]);
   } else {
 #pragma unroll
-    for (int k = 0; k < kN; ++k) row[v0 + k] = g[k];
+    for (int k = 0; k < kN; ++k) row[v0 + k] = from_acc<T>(g[k]);
   }
 }
 
