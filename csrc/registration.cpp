@@ -49,7 +49,7 @@ TORCH_LIBRARY(nitrobrew, m) {
 
   // The training path's stored products: x [N, D] . w[:vocab_size]^T [N, vocab_size] in the accumulation
   // dtype (float32; float64 for float64 inputs), the GEMM's only rounding, in rows with a stride of
-  // vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py); a CPU kernel so far.
+  // vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py).
   m.def("products(Tensor x, Tensor w, int vocab_size) -> Tensor");
 
   // x * factor (a scalar tensor on x's device), computed in float32 (float64 for float64 x), in x's dtype:

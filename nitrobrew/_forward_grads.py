@@ -67,11 +67,10 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 # Where the automatic choice takes the training path: the devices where it measured faster than the
 # recompute path (docs/performance.md: 0.83x its step on the CPU, 0.71-0.83x on the H100).
 AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
-# Top-K's (normalize="full"): where it runs (on CUDA with the products op of this branch, which has not run on
-# a GPU yet: docs/notes/fused_linear_training_path.md), and where the automatic choice takes it: nowhere yet,
-# since on the CPU it measured as fast as the recompute path, not faster (docs/performance.md).
-TOPK_DEVICES = frozenset({"cpu", "cuda"})
-TOPK_AUTOMATIC_DEVICES = frozenset()
+# Where top-K's automatic choice takes its training path (normalize="full"): CUDA, where its step measured
+# 0.85-0.90x the recompute path's on the H100; not the CPU, where it measured as fast as the recompute path,
+# not faster (docs/performance.md).
+TOPK_AUTOMATIC_DEVICES = frozenset({"cuda"})
 
 
 def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_type: str,

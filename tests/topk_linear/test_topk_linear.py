@@ -318,8 +318,6 @@ def test_opcheck(renormalize, bias, device):
 @pytest.mark.parametrize("grad_in_forward", [None, True])  # automatic (the recompute path while compiling), training
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_torch_compile_fullgraph_with_backward(dynamic, grad_in_forward, device):
-    if grad_in_forward and device not in nitrobrew._forward_grads.TOPK_DEVICES:
-        pytest.skip(f"the top-K training path does not run on {device} yet")
     xs, ws, ids, lps, labels = make_problem(lead=(2, 4), v=90, k=6, masked_rows=True)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
 

@@ -12,15 +12,8 @@ import nitrobrew
 from conftest import CUDA
 from test_topk_linear import check, make_problem
 
-# The devices the top-K training path runs on so far (its CUDA products op awaits a GPU run).
-TRAINING_DEVICES = nitrobrew._forward_grads.TOPK_DEVICES
 CHUNK_OP = "nitrobrew::products"  # the training path's logits (nitrobrew/_forward_grads.py)
 FORWARD_OP = "nitrobrew::topk_linear_fwd"  # the recompute path's forward
-
-
-def needs_training_path(device):
-    if device not in TRAINING_DEVICES:
-        pytest.skip(f"the top-K training path does not run on {device} yet")
 
 
 def ops_run(fn):
@@ -42,14 +35,12 @@ def test_which_path_runs(device, case, expected):
     kw = dict(labels=labels, reduction="none" if case == "none" else "mean",
               normalize="topk" if case == "topk" else "full")
     if case == "forced_on":
-        needs_training_path(device)
         kw["grad_in_forward"] = True
     elif case == "forced_off":
         kw["grad_in_forward"] = False
     elif expected == CHUNK_OP and case != "bias_only" and device not in nitrobrew._forward_grads.TOPK_AUTOMATIC_DEVICES:
         expected = FORWARD_OP
-    if case == "bias_only":  # a gradient for bias_s alone: asked for, as the automatic choice takes none yet
-        needs_training_path(device)
+    if case == "bias_only":  # a gradient for bias_s alone: asked for, as the CPU's automatic choice takes none
         xs, ws = xs.detach(), ws.detach()
         kw["bias_s"] = torch.zeros(700, device=device, requires_grad=True)
         kw["grad_in_forward"] = True
@@ -63,7 +54,6 @@ def test_which_path_runs(device, case, expected):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias,logit_scale", [(False, 1.0), (True, 2.5)])
 def test_values_and_gradients_on_both_paths(grad_in_forward, reduction, dtype, bias, logit_scale, device):
-    needs_training_path(device)
     # 300 tokens, V = 1001 (divides no vector or tile), masked rows: under a 1 MiB budget the training path
     # runs 3 chunks of G of two 65-token steps of products each (the last ones partial).
     if device == "cuda" and dtype == torch.float64:
@@ -101,14 +91,12 @@ def test_16_bit_inputs_against_the_recompute_path(dtype):
 
 @pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
 def test_extreme_temperatures_and_logit_scales(temperature, scale, device):
-    needs_training_path(device)
     xs, ws, ids, lps, _ = make_problem(v=500, k=20, scale=scale)
     check(xs, ws, ids, lps, normalize="full", temperature=temperature, reduction="sum", device=device,
           grad_in_forward=True)
 
 
 def test_teacher_entries_of_zero_probability_and_lead_shapes(device):
-    needs_training_path(device)
     # -inf teacher log-probabilities contribute nothing; a [2, 20] batch of tokens reshapes as the
     # recompute path's.
     xs, ws, ids, lps, labels = make_problem(lead=(2, 20), v=600, k=12, masked_rows=True)
@@ -118,7 +106,6 @@ def test_teacher_entries_of_zero_probability_and_lead_shapes(device):
 
 
 def test_upstream_gradient_scales_the_saved_gradients(device):
-    needs_training_path(device)
     xs, ws, ids, lps, _ = (t.to(device) for t in make_problem(v=400, k=8))
     grads = []
     for upstream in (1.0, -3.5):
@@ -142,7 +129,6 @@ def test_bad_options_are_clear_errors(options, error, match):
 
 
 def test_no_token(device):
-    needs_training_path(device)
     xs, ws, ids, lps, _ = (t.to(device) for t in make_problem(lead=(0,), v=300, k=8))
     a, w = xs.requires_grad_(), ws.requires_grad_()
     loss = nitrobrew.topk_kl(a, w, ids, lps, reduction="sum", grad_in_forward=True)
@@ -151,7 +137,6 @@ def test_no_token(device):
 
 
 @CUDA
-@pytest.mark.skipif("cuda" not in TRAINING_DEVICES, reason="the CUDA products op awaits a GPU run")
 def test_products_op_matches_a_float32_product_on_cuda():
     # nitrobrew::products: cuBLAS's float32-output product of bf16 operands, rows padded to 8 entries.
     x = torch.randn(70, 96, device="cuda", dtype=torch.bfloat16)
@@ -173,7 +158,6 @@ def test_products_op_rejects_bad_shapes():
 
 
 def test_products_op_opcheck(device):
-    needs_training_path(device)
     x = torch.randn(9, 24, device=device)
     w = torch.randn(37, 24, device=device)
     torch.library.opcheck(nitrobrew._registration.ops.products.default, (x, w, 33))

@@ -43,7 +43,8 @@ families=${FAMILIES:-fused_linear topk_linear logits attention_kl distributed}
 status=0
 summary=()
 # Python packages the GPU machine lacks (liger-kernel for the benchmarks' peer), carried as wheels in
-# .whl/ (pip download --no-deps ... -d .whl NAME==VERSION on a machine with a registry).
+# .whl/ (pip download --no-deps ... -d .whl NAME==VERSION on a machine with a registry; git-ignored, so the device
+# call must carry it).
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nitrobrew_site .whl/*.whl &&
     export PYTHONPATH=/tmp/nitrobrew_site${PYTHONPATH:+:$PYTHONPATH}
