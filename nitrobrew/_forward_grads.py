@@ -49,6 +49,20 @@ def _(x, w, vocab_size):
     return torch.empty_strided((x.shape[0], vocab_size), (ld, 1), dtype=stats_dtype(x.dtype), device=x.device)
 
 
+@torch.library.register_fake("nitrobrew::product_partials")
+def _(zs, zt, labels, bias_s, bias_t, row_stats, *options):
+    if row_stats is not None:
+        return zs.new_empty((1, zs.shape[0], 2), dtype=torch.float64)
+    return zs.new_empty((1, zs.shape[0], 8))  # one part (PartialField, row_partial.h)
+
+
+@torch.library.register_fake("nitrobrew::product_grads")
+def _(zs, zt, labels, bias_s, bias_t, row_stats, row_scale, *options):
+    n, vocab = zs.shape
+    ld = (vocab + 7) // 8 * 8
+    return torch.empty_strided((n, vocab), (ld, 1), dtype=options[-1], device=zs.device)
+
+
 @torch.library.register_fake("nitrobrew::scaled")
 def _(x, factor):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -200,24 +214,26 @@ class FusedLinearForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, labels, bias_s, bias_t, options: tuple, reduction: str, chunk_bytes: int,
-                needs: tuple):
-        vocab = options[-1]
-
-        def grad_chunk(b0, b1, row_scale, product_rows):
-            return ops.fused_linear_grad_chunk(xs[b0:b1], xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1],
-                                               bias_s, bias_t, row_scale, *options, product_rows)
-
+                needs: tuple, shards=None):
+        # shards: a vocabulary shard per rank (nitrobrew/_training_shards.py), whose chunks merge their rows
+        # over the group; else the whole vocabulary, one op per chunk.
+        if shards is not None:
+            rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t)
+        else:
+            rows = _ChunkRows(options[-1], options[-1], None, lambda b0, b1, row_scale, product_rows: (
+                ops.fused_linear_grad_chunk(xs[b0:b1], xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1],
+                                            bias_s, bias_t, row_scale, *options, product_rows)))
         # The products' dtypes are this path's own: torch.autocast (the caller's inputs are already cast)
         # must not round G or the hidden states again.
         with torch.autocast(xs.device.type, enabled=False):
-            loss, saved = _forward_grads(xs, ws, labels, options[0], vocab, reduction, chunk_bytes, needs, grad_chunk)
+            loss, saved = _forward_grads(xs, ws, labels, options[0], reduction, chunk_bytes, needs, rows)
         _save(ctx, xs, ws, saved)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
-        return dxs, None, dws, None, None, dbias, None, None, None, None, None
+        return dxs, None, dws, None, None, dbias, None, None, None, None, None, None
 
 
 class TopKForwardGrads(torch.autograd.Function):
@@ -256,8 +272,8 @@ class TopKForwardGrads(torch.autograd.Function):
             return loss, grad
 
         with torch.autocast(xs.device.type, enabled=False):
-            loss, saved = _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, needs,
-                                         grad_chunk)
+            loss, saved = _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs,
+                                         _ChunkRows(vocab, vocab, None, grad_chunk))
         _save(ctx, xs, ws, saved)
         return loss
 
@@ -267,15 +283,27 @@ class TopKForwardGrads(torch.autograd.Function):
         return dxs, dws, None, None, None, dbias, None, None, None, None
 
 
-def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, needs, grad_chunk):
-    """The chunk loop: grad_chunk(b0, b1, row_scale, product_rows) returns the losses of rows [b0, b1) and
-    their G (times row_scale, in _grad_dtype), from products of product_rows rows at a time. Returns the
-    reduced loss and what the backward scales: (dxs, dws, dbias_s, float16's unscale or None)."""
+@dataclass(frozen=True)
+class _ChunkRows:
+    """What the chunk loop needs of a loss: grad_chunk(b0, b1, row_scale, product_rows) returns the losses
+    of rows [b0, b1) and their G over the first `vocab` rows of ws (times row_scale, in _grad_dtype), from
+    products of product_rows rows at a time; plan_vocab: the columns the chunks are planned for (alike on
+    every rank of a vocabulary-sharded loss); sum_dxs: sums dxs's terms over the shards in place, or None."""
+
+    vocab: int
+    plan_vocab: int
+    sum_dxs: object
+    grad_chunk: object
+
+
+def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, rows: _ChunkRows):
+    """The chunk loop over `rows` (_ChunkRows). Returns the reduced loss and what the backward scales:
+    (dxs, dws, dbias_s, float16's unscale or None)."""
     need_dxs, need_dws, need_dbias = needs
-    n = xs.shape[0]
+    n, vocab = xs.shape[0], rows.vocab
     gdtype = _grad_dtype(xs)
     loss_dtype = stats_dtype(xs.dtype)
-    chunks = chunk_plan(n, vocab, xs.dtype, xs.device.type, chunk_bytes)
+    chunks = chunk_plan(n, rows.plan_vocab, xs.dtype, xs.device.type, chunk_bytes)
     weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
     # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
     # over every token that could leave float16's range at that scale, takes it out at once through the
@@ -283,7 +311,7 @@ def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, 
     range_scale = _float16_range_scale(weight) if gdtype == torch.float16 else None
     row_scale = weight if range_scale is None else weight * range_scale
     unscale = None if range_scale is None else 1.0 / range_scale
-    rows = []
+    losses = []
     dxs = dws = dws_v = dbias = ws_v = None
     if need_dxs:
         ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
@@ -297,8 +325,8 @@ def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, 
     for b0 in range(0, max(n, 1), chunks.grad_rows):  # no token: one empty chunk, zero gradients
         b1 = min(n, b0 + chunks.grad_rows)
         xs_b = xs[b0:b1]
-        loss_b, grad_b = grad_chunk(b0, b1, row_scale, chunks.product_rows)
-        rows.append(loss_b)
+        loss_b, grad_b = rows.grad_chunk(b0, b1, row_scale, chunks.product_rows)
+        losses.append(loss_b)
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
@@ -307,7 +335,9 @@ def _forward_grads(xs, ws, labels, ignore_index, vocab, reduction, chunk_bytes, 
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
-    loss = reduce_rows(torch.cat(rows) if len(rows) > 1 else rows[0], (n,), reduction, labels, ignore_index)
+    if need_dxs and rows.sum_dxs is not None:
+        rows.sum_dxs(dxs)
+    loss = reduce_rows(torch.cat(losses) if len(losses) > 1 else losses[0], (n,), reduction, labels, ignore_index)
     # In G's dtype: the backward's product with the upstream gradient is their only rounding to the inputs'
     # dtype on the CPU; on CUDA, they are the inputs' dtype already (exact when that gradient is 1).
     return loss, (dxs, dws, dbias, unscale)

@@ -122,6 +122,7 @@ class _Shard:
     total: int
     world: int
     rank: int
+    max_rows: int  # the largest shard's rows: what every rank plans its chunks for, alike
 
 
 def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group) -> _Shard:
@@ -140,7 +141,7 @@ def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group) -> _Sha
         )
     rank = dist.get_rank(group)
     start = sum(c[0] for c in counts[:rank])
-    return _Shard(group, start, rows_s, sum(c[0] for c in counts), len(counts), rank)
+    return _Shard(group, start, rows_s, sum(c[0] for c in counts), len(counts), rank, max(c[0] for c in counts))
 
 
 def _local_labels(labels: Tensor | None, shard: _Shard, real: int, ignore_index: int) -> Tensor | None:
@@ -193,12 +194,19 @@ class TopKCall:
 def _merged_rows(part: Tensor, mixture_of, labels, call: FusedLinearCall, vocab_size: int, group):
     """The shards' row states all-gathered and merged into (loss, row_stats) over the whole vocabulary;
     JSD's mixture sums (mixture_of(row_stats) -> [N, 2] of this shard) in a second round."""
-    parts = _all_gather(part, group)
+    parts = _all_gather_parts(part, group)
     merge_options = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, vocab_size)
     loss, row_stats = ops.merge_shards(parts, None, *merge_options)
     if call.uses_mixture():
-        loss, row_stats = ops.merge_shards(parts, _all_gather(mixture_of(row_stats), group), *merge_options)
+        loss, row_stats = ops.merge_shards(parts, _all_gather_parts(mixture_of(row_stats), group), *merge_options)
     return loss, row_stats
+
+
+def _all_gather_parts(part: Tensor, group) -> Tensor:
+    """[N, F] (one part) or [S, N, F] (S column parts, in order, alike on every rank) of each rank, as
+    [R * S, N, F] in rank order: what merge_shards merges."""
+    parts = _all_gather(part, group)
+    return parts.flatten(0, 1) if part.dim() == 3 else parts
 
 
 class _ShardLoss:
@@ -469,7 +477,15 @@ def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Te
     """Per-token losses [N] of 2-D xs, xt over the vocabulary shards ws, wt of `group`'s ranks
     (fused_linear.py has validated the rest). tokens_sharded: xs holds this rank's tokens alone.
     teacher_whole: wt (and bias_t) is the teacher's whole lm_head, of which this rank takes ws's rows."""
-    shard = _shard_layout(ws.shape[0], ws.shape[0] if teacher_whole else wt.shape[0], xs.device, group)
+    shard, wt, bias_t = fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
+    return fused_linear_shard_loss(xs, xt, ws, wt, labels, bias_s, bias_t, call, shard, tokens_sharded)
+
+
+def fused_linear_layout(ws: Tensor, wt: Tensor, bias_t: Tensor | None, call: FusedLinearCall, group,
+                        teacher_whole: bool, device) -> tuple:
+    """(this rank's _Shard, its wt and bias_t rows): one all-gather of the ranks' row counts.
+    teacher_whole: wt (and bias_t) is the teacher's whole lm_head, of which this rank takes ws's rows."""
+    shard = _shard_layout(ws.shape[0], ws.shape[0] if teacher_whole else wt.shape[0], device, group)
     if teacher_whole:
         if wt.shape[0] < shard.total:
             raise ValueError(f"wt, the teacher's whole lm_head, has {wt.shape[0]} rows, fewer than the student's "
@@ -479,8 +495,15 @@ def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Te
     if call.vocab_size is not None and call.vocab_size > shard.total:
         raise ValueError(f"vocab_size must be at most the rows of the whole (sharded) vocabulary, {shard.total}, got "
                          f"{call.vocab_size}")
-    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
-    return _VocabParallel.apply(_FusedLinearShard(call, shard), group, tokens_per_rank,
+    return shard, wt, bias_t
+
+
+def fused_linear_shard_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None,
+                            bias_s: Tensor | None, bias_t: Tensor | None, call: FusedLinearCall, shard: _Shard,
+                            tokens_sharded: bool = False) -> Tensor:
+    """fused_linear_loss on a layout fused_linear_layout gave: the recompute path's per-token losses [N]."""
+    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, shard.group) if tokens_sharded else None
+    return _VocabParallel.apply(_FusedLinearShard(call, shard), shard.group, tokens_per_rank,
                                 xs, xt, ws, wt, bias_s, bias_t, labels)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, _forward_grads, distributed
+from nitrobrew import _checks, _forward_grads, _training_shards, distributed
 from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
@@ -157,17 +157,12 @@ def _fused_linear_loss(
     train = _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
-        if grad_in_forward and train:
-            raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
-                                      "(process_group= or DTensor weights) yet; they take the recompute path "
-                                      "(grad_in_forward=None or False)")
         call = distributed.FusedLinearCall(
             divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
             _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
-        loss = distributed.fused_linear_loss(xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1]), ws, wt,
-                                             flat_labels, bias_s, bias_t, call, process_group, tokens_sharded,
-                                             teacher_whole)
-        return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
+        return _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, process_group, tokens_sharded,
+                             teacher_whole, reduction, train, grad_in_forward,
+                             chunk_bytes)
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
     n_tokens = xs.numel() // xs.shape[-1]
     train = train and _forward_grads.automatic_fits(grad_in_forward, n_tokens, vocab_size, xs.dtype, xs.device.type,
@@ -184,6 +179,31 @@ def _fused_linear_loss(
                                                             options, reduction, chunk_bytes, needs)
     loss, _ = ops.fused_linear_fwd(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, *options, chunk_V or 0)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
+
+
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
+def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, tokens_sharded, teacher_whole, reduction,
+                  train, grad_in_forward, chunk_bytes):
+    """The loss over vocabulary shards: the training path where it runs (_training_shards.py), else the
+    recompute path's (distributed.py)."""
+    lead_shape = xs.shape[:-1]
+    xs, xt = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
+    if train and not _training_shards.runs_on(xs.device.type, tokens_sharded):
+        if grad_in_forward:
+            where = "data-parallel (FSDP2) shards" if tokens_sharded else f"vocabulary shards on {xs.device.type}"
+            raise NotImplementedError(f"grad_in_forward=True: the training path does not run over {where} yet; "
+                                      f"grad_in_forward=None or False takes the recompute path")
+        train = False
+    shard, wt, bias_t = distributed.fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
+    shards = _training_shards.plan(call, shard, grad_in_forward, xs.shape[0], xs.dtype, xs.device.type,
+                                   chunk_bytes) if train else None
+    if shards is not None:
+        options = call.op_options(shards.real)[:-1]
+        return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
+                                     shards)
+    loss = distributed.fused_linear_shard_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, shard,
+                                               tokens_sharded)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, call.ignore_index)
 
 
 _ARGUMENTS = """From hidden states and unembeddings: the student's logits are

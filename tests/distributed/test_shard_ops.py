@@ -41,7 +41,7 @@ def _shards_fused_linear(call, xs, xt, ws, wt, bias_s, bias_t, labels, grad):
     parts, locals_ = [], []
     for start, stop in zip(BOUNDS[:-1], BOUNDS[1:]):
         real = max(0, min(V - start, stop - start))
-        local = _local_labels(labels, _Shard(None, start, stop - start, ROWS, 0, 0), real, call.ignore_index)
+        local = _local_labels(labels, _Shard(None, start, stop - start, ROWS, 0, 0, ROWS), real, call.ignore_index)
         args = (xs, xt, ws[start:stop], wt[start:stop], local, bias_s[start:stop], bias_t[start:stop])
         locals_.append((real, args))
         if real == 0:
@@ -92,6 +92,57 @@ def _check(device, dtype, call):
 @pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
 def test_fused_linear_shards_merge_to_the_whole_cpu(call):
     _check("cpu", torch.float64, call)
+
+
+@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+def test_product_ops_merge_to_the_whole_cpu(call):
+    # The training path's stages over shards: each shard's stored products (products), their row states
+    # (product_partials) merged, JSD's mixture sums, then each shard's G (product_grads) times a row scale;
+    # G . ws summed over the shards and G^T . xs per shard are the recompute path's gradients.
+    xs, xt, ws, wt, bias_s, bias_t, labels = _problem("cpu", torch.float64)
+    whole_options = call.op_options(V)
+    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options)
+    scale = torch.tensor(0.37, dtype=torch.float64)
+    dxs, dws, dbias = ops.fused_linear_bwd(scale.expand(xs.shape[0]).contiguous(), xs, xt, ws, wt, labels, bias_s,
+                                           bias_t, row_stats, *whole_options, True, True, True)
+    shards, parts = [], []
+    for start, stop in zip(BOUNDS[:-1], BOUNDS[1:]):
+        real = max(0, min(V - start, stop - start))
+        if real == 0:
+            continue
+        local = _local_labels(labels, _Shard(None, start, stop - start, ROWS, 0, 0, ROWS), real, call.ignore_index)
+        rows = (ops.products(xs, ws[start:stop], real), ops.products(xt, wt[start:stop], real), local,
+                bias_s[start:stop], bias_t[start:stop])
+        shards.append((start, real, rows))
+        parts.append(ops.product_partials(*rows, None, *call.op_options(real)[:-2]))
+    merge = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, V)
+    s_loss, s_stats = ops.merge_shards(torch.cat(parts), None, *merge)
+    if call.uses_mixture():
+        mixtures = [ops.product_partials(*rows, s_stats, *call.op_options(real)[:-2]) for _, real, rows in shards]
+        s_loss, s_stats = ops.merge_shards(torch.cat(parts), torch.cat(mixtures), *merge)
+    torch.testing.assert_close(s_loss, loss, rtol=1e-12, atol=1e-12 * loss.abs().max().item())
+    torch.testing.assert_close(s_stats, row_stats, rtol=1e-12, atol=1e-12 * row_stats.abs().max().item())
+    s_dxs = torch.zeros_like(dxs)
+    for start, real, rows in shards:
+        g = ops.product_grads(*rows, s_stats, scale, *call.op_options(real)[:-2], torch.float64)
+        assert g.shape == (xs.shape[0], real) and g.stride(0) == (real + 7) // 8 * 8
+        s_dxs += g @ ws[start:start + real]
+        torch.testing.assert_close(g.t() @ xs, dws[start:start + real], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g.sum(0), dbias[start:start + real], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s_dxs, dxs, rtol=1e-10, atol=1e-12)
+
+
+def test_product_ops_reject_bad_inputs():
+    z = torch.randn(4, 10)
+    options = (-100, "forward_kl", 0.0, 1.0, 0.0, None, None, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="zs and zt must be \\[N, V\\] of one shape"):
+        ops.product_partials(z, torch.randn(4, 9), None, None, None, None, *options)
+    with pytest.raises(RuntimeError, match="zs and zt must be float32"):
+        ops.product_partials(z.half(), z.half(), None, None, None, None, *options)
+    with pytest.raises(RuntimeError, match="bias_s and bias_t must be"):
+        ops.product_partials(z, z, None, torch.zeros(9), None, None, *options)
+    with pytest.raises(RuntimeError, match="row_stats must be \\[N, 7\\]"):
+        ops.product_grads(z, z, None, None, None, torch.zeros(4, 3), torch.tensor(1.0), *options, torch.float32)
 
 
 @CUDA

@@ -21,6 +21,17 @@ def test_fused_linear_float32(world):
     run_on_ranks(world, cases.fused_linear, "float32")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fused_linear_training_path(world):
+    # grad_in_forward=True: the gradients formed in the forward, the shards' rows merged per step.
+    run_on_ranks(world, cases.fused_linear, "float64", True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_linear_training_path_float32(world):
+    run_on_ranks(world, cases.fused_linear, "float32", True)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_logits(world):
     run_on_ranks(world, cases.logits, "float64")

@@ -91,12 +91,23 @@ def _device():
     return "cuda" if torch.cuda.is_available() and os.environ.get("NITROBREW_TEST_DEVICE") == "cuda" else "cpu"
 
 
-def fused_linear(rank: int, world: int, dtype_name: str) -> None:
+def _ops_run(fn):
+    """fn's result and the nitrobrew ops it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, {e.name for e in prof.events() if e.name.startswith("nitrobrew::")}
+
+
+def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool | None = False) -> None:
+    """Every case on the recompute path (grad_in_forward False), or on the training path (True) where
+    the loss is a scalar (the rest take the recompute path alike)."""
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
     for divergence, options in FUSED_LINEAR_CASES:
         options = dict(options)
+        training = grad_in_forward is not False and options.get("reduction") != "none"
+        path = {"grad_in_forward": grad_in_forward} if training else {"grad_in_forward": False}
         xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
         if not options.pop("bias", False):
             bias_s = bias_t = None
@@ -107,9 +118,12 @@ def fused_linear(rank: int, world: int, dtype_name: str) -> None:
         what = f"rank {rank}/{world} {dtype_name} {divergence} {options} bias={bias_s is not None}"
         try:
             whole = _run(LOSSES, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options)
-            shard = _run(LOSSES, divergence, xs, xt, ws[rows], wt[rows], None if bias_s is None else bias_s[rows],
-                         None if bias_t is None else bias_t[rows], labels, upstream, options,
-                         process_group=dist.group.WORLD)
+            shard, ran = _ops_run(lambda: _run(
+                LOSSES, divergence, xs, xt, ws[rows], wt[rows], None if bias_s is None else bias_s[rows],
+                None if bias_t is None else bias_t[rows], labels, upstream, options, process_group=dist.group.WORLD,
+                **path))
+            # the training path's backward only scales what its forward formed
+            assert ("nitrobrew::scaled" in ran) == training, f"{what}: the ops that ran: {sorted(ran)}"
             _close(shard[0], whole[0], rtol, f"{what}: loss")
             _close(shard[1][0], whole[1][0], gtol, f"{what}: xs.grad")
             _close(shard[1][1], whole[1][1][rows], gtol, f"{what}: ws.grad")

@@ -1,0 +1,95 @@
+"""The training path (_forward_grads.py) over vocabulary shards: process_group= or DTensor lm_heads whose
+ranks hold the same tokens (tensor parallelism).
+
+Each rank forms its shard's products of a step of rows once (nitrobrew::products), folds them into the
+rows' unfinished states (nitrobrew::product_partials), which one all-gather and merge_shards finish over
+the whole vocabulary, alike on every rank (JSD: a second all-gather of the mixture sums), then writes
+its shard's G from the merged statistics (nitrobrew::product_grads). The chunk loop forms dws and dbias_s
+of the shard's rows from G, and dxs's shard term, which one all-reduce sums at the end of the forward:
+the collectives of the recompute path (docs/distributed.md), with the backward's all-reduce moved into
+the forward. Every rank plans its chunks for the largest shard, so that all run the same steps and
+collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew import distributed
+from nitrobrew._forward_grads import _ChunkRows, _grad_dtype, automatic_fits
+from nitrobrew._registration import ops, stats_dtype
+
+# The devices with the product ops (nitrobrew::product_partials, product_grads).
+DEVICES = frozenset({"cpu"})
+
+
+class TrainingShards:
+    """A vocabulary-sharded loss's rows for the chunk loop (FusedLinearForwardGrads' `shards`)."""
+
+    def __init__(self, call: distributed.FusedLinearCall, shard, vocab_size: int):
+        self.call, self.shard, self.vocab_size = call, shard, vocab_size
+        self.real = max(0, min(vocab_size - shard.start, shard.rows))  # the shard's rows inside vocab_size
+        self.options = call.op_options(self.real)[:-2]  # the product ops' (no vocab_size, chunk_v)
+
+    def rows(self, xs, xt, ws, wt, labels, bias_s, bias_t) -> _ChunkRows:
+        call, shard, real = self.call, self.shard, self.real
+        local = distributed._local_labels(labels, shard, real, call.ignore_index)
+        gdtype = _grad_dtype(xs)
+        ld = (real + 7) // 8 * 8  # G's rows padded to 8 entries, as the op's
+
+        def step(r0, r1, row_scale):
+            """(loss, G) of rows [r0, r1): their products formed once, their states merged over the group."""
+            lab = None if labels is None else labels[r0:r1]
+            loc = None if local is None else local[r0:r1]
+            if real == 0:  # a shard wholly in the padding (or of no rows) holds nothing
+                part = distributed._empty_partials(xs[r0:r1]).unsqueeze(0)  # one part, as the op's
+                loss, _ = distributed._merged_rows(
+                    part, lambda _: xs.new_zeros((1, r1 - r0, 2), dtype=torch.float64), lab, call, self.vocab_size,
+                    shard.group)
+                return loss, xs.new_empty((r1 - r0, 0), dtype=gdtype)
+            zs, zt = ops.products(xs[r0:r1], ws, real), ops.products(xt[r0:r1], wt, real)
+            shard_rows = (zs, zt, loc, bias_s, bias_t)
+            loss, row_stats = distributed._merged_rows(
+                ops.product_partials(*shard_rows, None, *self.options),
+                lambda stats: ops.product_partials(*shard_rows, stats, *self.options), lab, call, self.vocab_size,
+                shard.group)
+            return loss, ops.product_grads(*shard_rows, row_stats, row_scale, *self.options, gdtype)
+
+        def grad_chunk(b0, b1, row_scale, product_rows):
+            loss = xs.new_empty((b1 - b0,), dtype=stats_dtype(xs.dtype))
+            grad = torch.empty((b1 - b0, ld), dtype=gdtype, device=xs.device)[:, :real]
+            for r0 in range(b0, b1, product_rows):
+                r1 = min(b1, r0 + product_rows)
+                loss[r0 - b0:r1 - b0], grad[r0 - b0:r1 - b0] = step(r0, r1, row_scale)
+            return loss, grad
+
+        def sum_dxs(dxs):
+            distributed._dist().all_reduce(dxs, group=shard.group)
+
+        return _ChunkRows(real, min(shard.max_rows, self.vocab_size), sum_dxs, grad_chunk)
+
+
+def plan(call: distributed.FusedLinearCall, shard, choice: bool | None, n: int, dtype: torch.dtype,
+         device_type: str, chunk_bytes: int) -> TrainingShards | None:
+    """The training path's shards where it runs: asked for, or automatic within its chunk count (the
+    largest shard's, so that every rank decides alike); None keeps the recompute path."""
+    vocab_size = shard.total if call.vocab_size is None else call.vocab_size
+    if not automatic_fits(choice, n, min(shard.max_rows, vocab_size), dtype, device_type, chunk_bytes):
+        return None
+    return TrainingShards(call, shard, vocab_size)
+
+
+def runs_on(device_type: str, tokens_sharded: bool) -> bool:
+    """Whether the sharded training path runs there: the product ops' devices, ranks holding the same tokens."""
+    return device_type in DEVICES and not tokens_sharded
+
+
+def loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels, bias_s, bias_t, options: tuple, reduction: str,
+         chunk_bytes: int, shards: TrainingShards) -> Tensor:
+    """The reduced loss on the training path over shards, its gradients formed in the forward."""
+    from nitrobrew._forward_grads import FusedLinearForwardGrads
+
+    needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+    return FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
+                                         needs, shards)
