@@ -16,9 +16,13 @@ import nitrobrew
 from conftest import CUDA
 
 pytestmark = [CUDA, pytest.mark.sanitize]
+# The recompute path's kernels, then the training path's (normalize="full" only; automatic for training
+# on CUDA, so the recompute path is asked for by name).
+PATHS = pytest.mark.parametrize("grad_in_forward", [False, True])
 
 
-def test_every_kernel_once():
+@PATHS
+def test_every_kernel_once(grad_in_forward):
     dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
@@ -32,6 +36,8 @@ def test_every_kernel_once():
     for dtype, (n, v, d, k), normalize in itertools.chain(cases, several_tiles):
         if dtype == torch.float32 and n in (300, 400):
             continue  # the float32 kernels are the mma.sync ones, covered by the first shape
+        if grad_in_forward and normalize == "topk":
+            continue  # "topk" has the recompute path only
         xs = torch.randn(n, d, device=dev, dtype=dtype, requires_grad=True)
         ws = torch.randn(v, d, device=dev, dtype=dtype, requires_grad=True)
         ids = torch.randint(0, v, (n, k), device=dev)
@@ -40,14 +46,15 @@ def test_every_kernel_once():
         labels = torch.randint(0, v, (n,), device=dev)
         labels[::4] = -100
         loss = nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize, labels=labels, temperature=2.0,
-                                 chunk_V=700)
+                                 chunk_V=700, grad_in_forward=grad_in_forward, grad_chunk_mib=1)
         loss.backward()
         torch.cuda.synchronize()
         assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
 
 
 
-def test_bias_and_logit_scale_once():
+@PATHS
+def test_bias_and_logit_scale_once(grad_in_forward):
     # The bias read per tile column and per gathered id, and its gradient (the chunk's products for
     # "full", the id runs for "topk").
     dev = "cuda"
@@ -58,9 +65,9 @@ def test_bias_and_logit_scale_once():
         ids = torch.randint(0, v, (n, k), device=dev)
         ids[:, -1] = ids[:, 0]  # a repeated id
         lps = torch.log_softmax(torch.randn(n, k, device=dev), -1) - 1.0
-        for normalize in ("full", "topk"):
+        for normalize in ("full",) if grad_in_forward else ("full", "topk"):
             loss = nitrobrew.topk_kl(xs, ws, ids, lps, normalize=normalize, bias_s=bias, logit_scale_s=0.5,
-                                     temperature=2.0)
+                                     temperature=2.0, grad_in_forward=grad_in_forward, grad_chunk_mib=1)
             loss.backward()
             torch.cuda.synchronize()
             assert torch.isfinite(loss) and torch.isfinite(bias.grad).all() and torch.isfinite(ws.grad).all()
