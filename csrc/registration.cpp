@@ -55,20 +55,21 @@ TORCH_LIBRARY(nitrobrew, m) {
   // The training path's stages over stored products, for vocabulary shards (nitrobrew/distributed.py), whose
   // rows are merged across ranks between them. zs, zt: [N, V_shard] products x . w^T (no bias) in the
   // accumulation dtype, from `products`; labels local as fused_linear_shard's; biases [>= V_shard].
+  // dtype: the inputs' (the biases' on CUDA, whose kernels compute as the single-device step does for it).
   // product_partials: the unfinished row states [S, N, 8] of S column parts (merge_shards merges them, with
   // the other shards', in order); with row_stats (merge_shards' over the whole vocabulary; JSD only) the
   // mixture sums [S, N, 2] in float64.
   m.def(
       "product_partials(Tensor zs, Tensor zt, Tensor? labels, Tensor? bias_s, Tensor? bias_t, Tensor? row_stats, "
       "int ignore_index, str divergence, float beta, float temperature, float ce_weight, float? softcap_s, "
-      "float? softcap_t, float logit_scale_s, float logit_scale_t) -> Tensor");
-  // G = dLoss/dz [N, V_shard] from the whole vocabulary's row_stats, times row_scale (a scalar tensor: the
-  // reduction's weight) and logit_scale_s, in grad_dtype (fused_linear_grad_chunk's G); masked rows 0.
+      "float? softcap_t, float logit_scale_s, float logit_scale_t, ScalarType dtype) -> Tensor");
+  // product_grads: G = dLoss/dz [N, V_shard] from the whole vocabulary's row_stats, times row_scale (a scalar
+  // tensor: the reduction's weight) and logit_scale_s, in fused_linear_grad_chunk's dtype for `dtype` inputs
+  // (the inputs' on CUDA, the accumulation dtype on the CPU); masked rows 0.
   m.def(
       "product_grads(Tensor zs, Tensor zt, Tensor? labels, Tensor? bias_s, Tensor? bias_t, Tensor row_stats, "
       "Tensor row_scale, int ignore_index, str divergence, float beta, float temperature, float ce_weight, "
-      "float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, ScalarType grad_dtype) "
-      "-> Tensor");
+      "float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, ScalarType dtype) -> Tensor");
 
   // x * factor (a scalar tensor on x's device), computed in float32 (float64 for float64 x), in x's dtype:
   // how the training path's backward scales its saved gradients by the upstream gradient.

@@ -60,7 +60,7 @@ def _(zs, zt, labels, bias_s, bias_t, row_stats, *options):
 def _(zs, zt, labels, bias_s, bias_t, row_stats, row_scale, *options):
     n, vocab = zs.shape
     ld = (vocab + 7) // 8 * 8
-    return torch.empty_strided((n, vocab), (ld, 1), dtype=options[-1], device=zs.device)
+    return torch.empty_strided((n, vocab), (ld, 1), dtype=grad_dtype(options[-1], zs.device.type), device=zs.device)
 
 
 @torch.library.register_fake("nitrobrew::scaled")

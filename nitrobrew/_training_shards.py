@@ -51,10 +51,10 @@ class TrainingShards:
             zs, zt = ops.products(xs[r0:r1], ws, real), ops.products(xt[r0:r1], wt, real)
             shard_rows = (zs, zt, loc, bias_s, bias_t)
             loss, row_stats = distributed._merged_rows(
-                ops.product_partials(*shard_rows, None, *self.options),
-                lambda stats: ops.product_partials(*shard_rows, stats, *self.options), lab, call, self.vocab_size,
-                shard.group)
-            return loss, ops.product_grads(*shard_rows, row_stats, row_scale, *self.options, gdtype)
+                ops.product_partials(*shard_rows, None, *self.options, xs.dtype),
+                lambda stats: ops.product_partials(*shard_rows, stats, *self.options, xs.dtype), lab, call,
+                self.vocab_size, shard.group)
+            return loss, ops.product_grads(*shard_rows, row_stats, row_scale, *self.options, xs.dtype)
 
         def grad_chunk(b0, b1, row_scale, product_rows):
             loss = xs.new_empty((b1 - b0,), dtype=stats_dtype(xs.dtype))

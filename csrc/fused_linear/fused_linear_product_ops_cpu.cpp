@@ -30,8 +30,13 @@ ProductSource biases_of(const at::Tensor& zs, const c10::optional<at::Tensor>& b
   return {take(bias_s), take(bias_t)};
 }
 
-void check_cpu(const at::Tensor& zs) {
+// zs on the CPU, in the accumulation dtype of `dtype` inputs (float64 for float64, else float32).
+void check_cpu(const at::Tensor& zs, at::ScalarType dtype) {
   TORCH_CHECK(zs.device().is_cpu(), "zs must be a CPU tensor here, got ", zs.device());
+  TORCH_CHECK(at::isFloatingType(dtype), "dtype must be the inputs' floating dtype, got ", dtype);
+  const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(zs.scalar_type() == acc, "zs must be in the accumulation dtype of ", dtype, " inputs, ", acc, ", got ",
+              zs.scalar_type());
 }
 
 at::Tensor product_partials_cpu(const at::Tensor& zs, const at::Tensor& zt, const c10::optional<at::Tensor>& labels,
@@ -39,11 +44,11 @@ at::Tensor product_partials_cpu(const at::Tensor& zs, const at::Tensor& zt, cons
                                 const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
                                 c10::string_view divergence, double beta, double temperature, double ce_weight,
                                 c10::optional<double> softcap_s, c10::optional<double> softcap_t, double logit_scale_s,
-                                double logit_scale_t) {
+                                double logit_scale_t, at::ScalarType dtype) {
   const DistillParams p = make_product_params(zs, zt, labels, bias_s, bias_t, ignore_index, divergence, beta,
                                               temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
                                               logit_scale_t);
-  check_cpu(zs);
+  check_cpu(zs, dtype);
   if (row_stats.has_value()) check_shard_row_stats(*row_stats, p);
   const ProductSource b = biases_of(zs, bias_s, bias_t);
   GivenTiles source{zs, zt, b.bias_s, b.bias_t};
@@ -61,16 +66,15 @@ at::Tensor product_grads_cpu(const at::Tensor& zs, const at::Tensor& zt, const c
                              const at::Tensor& row_stats, const at::Tensor& row_scale, int64_t ignore_index,
                              c10::string_view divergence, double beta, double temperature, double ce_weight,
                              c10::optional<double> softcap_s, c10::optional<double> softcap_t, double logit_scale_s,
-                             double logit_scale_t, at::ScalarType grad_dtype) {
+                             double logit_scale_t, at::ScalarType dtype) {
   const DistillParams p = make_product_params(zs, zt, labels, bias_s, bias_t, ignore_index, divergence, beta,
                                               temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
                                               logit_scale_t);
-  check_cpu(zs);
+  check_cpu(zs, dtype);
   TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
               "row_stats must be [N, ", int(kNumRowStats), "] = [", p.num_rows, ", ", int(kNumRowStats),
               "] as merge_shards returns it, got ", row_stats.sizes());
   TORCH_CHECK(row_scale.dim() == 0, "row_scale must be a scalar tensor, got ", row_scale.sizes());
-  TORCH_CHECK(at::isFloatingType(grad_dtype), "grad_dtype must be a floating dtype, got ", grad_dtype);
   const ProductSource b = biases_of(zs, bias_s, bias_t);
   GivenTiles source{zs, zt, b.bias_s, b.bias_t};
   const std::vector<uint8_t> valid = row_mask(labels, p, /*check_label_range=*/false);
@@ -86,9 +90,7 @@ at::Tensor product_grads_cpu(const at::Tensor& zs, const at::Tensor& zt, const c
     pass.dzs = grad;
     walk_logit_tiles<scalar_t>(source, p, plan_tiles(p), zs.options(), pass);
   });
-  if (grad_dtype == grad.scalar_type()) return grad;
-  at::Tensor out = at::empty({n, ld}, zs.options().dtype(grad_dtype)).narrow(1, 0, vocab);
-  return out.copy_(grad);
+  return grad;  // the accumulation dtype, as fused_linear_grad_chunk's on the CPU
 }
 
 }  // namespace

@@ -114,17 +114,19 @@ def test_product_ops_merge_to_the_whole_cpu(call):
         rows = (ops.products(xs, ws[start:stop], real), ops.products(xt, wt[start:stop], real), local,
                 bias_s[start:stop], bias_t[start:stop])
         shards.append((start, real, rows))
-        parts.append(ops.product_partials(*rows, None, *call.op_options(real)[:-2]))
+        parts.append(ops.product_partials(*rows, None, *call.op_options(real)[:-2], torch.float64))
     merge = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, V)
     s_loss, s_stats = ops.merge_shards(torch.cat(parts), None, *merge)
     if call.uses_mixture():
-        mixtures = [ops.product_partials(*rows, s_stats, *call.op_options(real)[:-2]) for _, real, rows in shards]
+        mixtures = [ops.product_partials(*rows, s_stats, *call.op_options(real)[:-2], torch.float64)
+                    for _, real, rows in shards]
         s_loss, s_stats = ops.merge_shards(torch.cat(parts), torch.cat(mixtures), *merge)
     torch.testing.assert_close(s_loss, loss, rtol=1e-12, atol=1e-12 * loss.abs().max().item())
     torch.testing.assert_close(s_stats, row_stats, rtol=1e-12, atol=1e-12 * row_stats.abs().max().item())
     s_dxs = torch.zeros_like(dxs)
     for start, real, rows in shards:
         g = ops.product_grads(*rows, s_stats, scale, *call.op_options(real)[:-2], torch.float64)
+        assert g.dtype == torch.float64
         assert g.shape == (xs.shape[0], real) and g.stride(0) == (real + 7) // 8 * 8
         s_dxs += g @ ws[start:start + real]
         torch.testing.assert_close(g.t() @ xs, dws[start:start + real], rtol=1e-10, atol=1e-12)
@@ -136,13 +138,15 @@ def test_product_ops_reject_bad_inputs():
     z = torch.randn(4, 10)
     options = (-100, "forward_kl", 0.0, 1.0, 0.0, None, None, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="zs and zt must be \\[N, V\\] of one shape"):
-        ops.product_partials(z, torch.randn(4, 9), None, None, None, None, *options)
+        ops.product_partials(z, torch.randn(4, 9), None, None, None, None, *options, torch.float32)
     with pytest.raises(RuntimeError, match="zs and zt must be float32"):
-        ops.product_partials(z.half(), z.half(), None, None, None, None, *options)
+        ops.product_partials(z.half(), z.half(), None, None, None, None, *options, torch.float16)
     with pytest.raises(RuntimeError, match="bias_s and bias_t must be"):
-        ops.product_partials(z, z, None, torch.zeros(9), None, None, *options)
+        ops.product_partials(z, z, None, torch.zeros(9), None, None, *options, torch.float32)
+    with pytest.raises(RuntimeError, match="zs must be in the accumulation dtype of Double inputs"):
+        ops.product_partials(z, z, None, None, None, None, *options, torch.float64)
     with pytest.raises(RuntimeError, match="row_stats must be \\[N, 7\\]"):
-        ops.product_grads(z, z, None, None, None, torch.zeros(4, 3), torch.tensor(1.0), *options, torch.float32)
+        ops.product_grads(z, z, None, None, None, torch.zeros(4, 3), torch.tensor(1.0), *options, torch.bfloat16)
 
 
 @CUDA
