@@ -7,7 +7,9 @@ against two ways to do the same job:
   megatron_logits    each rank's [N, V/R] logits in float32 and a vocabulary-parallel forward KL
                      through autograd-aware all-reduces (Megatron's vocab-parallel cross-entropy way),
                      the input's gradient all-reduced in the backward;
-  nitrobrew          nitrobrew.forward_kl(..., process_group=): per-token statistics only;
+  nitrobrew          nitrobrew.forward_kl(..., process_group=): per-token statistics only (the automatic path
+                     choice: fwd + bwd on the training path where it runs);
+  nitrobrew_recompute  the same on the recompute path (grad_in_forward=False);
   local_shard        the single-GPU loss on this rank's rows alone, no communication (not the whole
                      vocabulary's loss): the compute floor of R GPUs, so that nitrobrew's distance from
                      perfect scaling splits into the kernels' at V/R rows and the communication's.
@@ -41,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 import harness  # noqa: E402
 
-METHODS = ("nitrobrew", "local_shard", "allgather_weights", "megatron_logits")
+METHODS = ("nitrobrew", "nitrobrew_recompute", "local_shard", "allgather_weights", "megatron_logits")
 COLUMNS = ["date", "device", "gpus", "torch", "method", "mode", "N", "V", "Ds", "Dt", "status", "median_ms",
            "min_ms", "peak_extra_mib", "sent_mib_per_rank", "scaling_efficiency", "loss_value", "round_medians_ms"]
 
@@ -118,10 +120,11 @@ def megatron_forward_kl(xs, xt, ws, wt):
 
 
 def run_method(method, xs, xt, ws, wt, world):
-    if method == "nitrobrew":
+    if method in ("nitrobrew", "nitrobrew_recompute"):  # the automatic path choice, or the recompute path
+        path = {"grad_in_forward": False} if method == "nitrobrew_recompute" else {}
         if world == 1:
-            return nitrobrew.forward_kl(xs, xt, ws, wt)
-        return nitrobrew.forward_kl(xs, xt, ws, wt, process_group=dist.group.WORLD)
+            return nitrobrew.forward_kl(xs, xt, ws, wt, **path)
+        return nitrobrew.forward_kl(xs, xt, ws, wt, process_group=dist.group.WORLD, **path)
     if method == "local_shard":
         return nitrobrew.forward_kl(xs, xt, ws, wt)
     if method == "allgather_weights":
@@ -167,7 +170,7 @@ def worker(rank, world, init_file, args):
     own = torch.Generator(device).manual_seed(1 + rank)  # this rank's rows
     ws = (torch.randn(rows, d_s, generator=own, device=device) * 3 / d_s ** 0.5).to(torch.bfloat16)
     wt = (torch.randn(rows, d_t, generator=own, device=device) * 3 / d_t ** 0.5).to(torch.bfloat16)
-    methods = [m for m in args.methods if world > 1 or m == "nitrobrew"]
+    methods = [m for m in args.methods if world > 1 or m.startswith("nitrobrew")]
     results = []
     for mode in ("forward", "fwd_bwd"):
         steps = {}

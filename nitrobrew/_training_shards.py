@@ -21,7 +21,7 @@ from nitrobrew._forward_grads import _ChunkRows, _grad_dtype, automatic_fits
 from nitrobrew._registration import ops, stats_dtype
 
 # The devices with the product ops (nitrobrew::product_partials, product_grads).
-DEVICES = frozenset({"cpu"})
+DEVICES = frozenset({"cpu", "cuda"})
 
 
 class TrainingShards:
