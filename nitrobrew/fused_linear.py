@@ -188,6 +188,10 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     recompute path's (distributed.py)."""
     lead_shape = xs.shape[:-1]
     xs, xt = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
+    # Checks the kernels would make, here on every rank alike: a rank whose shard holds no rows runs none
+    # of them, and would wait in a collective for ranks that raised.
+    if xs.device.type == "cuda" and xs.dtype == torch.float64:
+        raise TypeError("float64 inputs are supported on the CPU only")
     if train and not _training_shards.runs_on(xs.device.type, tokens_sharded):
         if grad_in_forward:
             where = "data-parallel (FSDP2) shards" if tokens_sharded else f"vocabulary shards on {xs.device.type}"

@@ -271,6 +271,8 @@ void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss) {
 template <typename T>
 ProductRowArgs<T> row_args(const ProductRowsLaunch& l, const DistillParams& p) {
   ProductRowArgs<T> a;
+  a.partial = nullptr;  // the stages that write them set them
+  a.mixture = nullptr;
   a.zs = l.zs;
   a.zt = l.zt;
   a.fs = {static_cast<const T*>(l.bias_s), static_cast<float>(p.logit_scale_s), static_cast<float>(p.softcap_s)};
@@ -332,6 +334,7 @@ at::Tensor launch_product_mixture(const ProductRowsLaunch& l, const DistillParam
   NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_mixture", {
     ProductRowArgs<T> a = row_args<T>(l, p);
     const at::Tensor mixture = mixture_buffer(a, options);
+    mixture.zero_();  // masked rows' blocks write nothing: their sums are 0
     launch_mixture(a, stream);
     sums = mixture.sum(0).to(at::kDouble);  // the slices' sums (merge_shards adds the shards' in float64)
   });
