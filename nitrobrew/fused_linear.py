@@ -202,6 +202,8 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     shards = _training_shards.plan(call, shard, grad_in_forward, xs.shape[0], xs.dtype, xs.device.type,
                                    chunk_bytes) if train else None
     if shards is not None:
+        if call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label (every rank alike)
+            _checks.ids_in_range(flat_labels, shards.vocab_size, "labels", call.ignore_index)
         options = call.op_options(shards.real)[:-1]
         return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                      shards)
