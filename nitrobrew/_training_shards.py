@@ -21,7 +21,7 @@ from nitrobrew._forward_grads import _ChunkRows, _grad_dtype, automatic_fits
 from nitrobrew._registration import ops, stats_dtype
 
 # The devices with the product ops (nitrobrew::product_partials, product_grads).
-DEVICES = frozenset({"cpu"})
+DEVICES = frozenset({"cpu", "cuda"})
 
 
 class TrainingShards:
@@ -36,6 +36,7 @@ class TrainingShards:
         call, shard, real = self.call, self.shard, self.real
         local = distributed._local_labels(labels, shard, real, call.ignore_index)
         gdtype = _grad_dtype(xs)
+        biases = tuple(None if b is None else b.contiguous() for b in (bias_s, bias_t))  # as the CUDA ops take them
         ld = (real + 7) // 8 * 8  # G's rows padded to 8 entries, as the op's
 
         def step(r0, r1, row_scale):
@@ -49,7 +50,7 @@ class TrainingShards:
                     shard.group)
                 return loss, xs.new_empty((r1 - r0, 0), dtype=gdtype)
             zs, zt = ops.products(xs[r0:r1], ws, real), ops.products(xt[r0:r1], wt, real)
-            shard_rows = (zs, zt, loc, bias_s, bias_t)
+            shard_rows = (zs, zt, loc, biases[0], biases[1])
             loss, row_stats = distributed._merged_rows(
                 ops.product_partials(*shard_rows, None, *self.options, xs.dtype),
                 lambda stats: ops.product_partials(*shard_rows, stats, *self.options, xs.dtype), lab, call,

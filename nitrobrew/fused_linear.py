@@ -238,8 +238,8 @@ Args:
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
         a graph for xs, ws or bias_s. Automatic: the training path wherever it can run (CPU and CUDA),
-        except under torch.compile, over vocabulary shards on CUDA or sharded by FSDP2 (vocabulary shards of
-        tensor parallelism take it on the CPU: docs/distributed.md), and where 16-bit dws would be rounded in more
+        except under torch.compile, over vocabulary shards sharded by FSDP2 (those of tensor parallelism take
+        it: docs/distributed.md), and where 16-bit dws would be rounded in more
         than 4 chunks (long sequences: raise grad_chunk_mib, or pass True); it measured faster
         (docs/performance.md) at up to grad_chunk_mib more memory. False keeps the recompute path's
         smaller footprint.

@@ -27,8 +27,8 @@ def tensor_parallel(rank: int, world: int) -> None:
     device, (dtype, tol) = _device(), _dtype_and_tolerance()
     mesh = init_device_mesh(device, (world,))
     xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
-    # The CPU takes either path (the training path: the gradients formed in the forward).
-    paths = (False, True) if device == "cpu" else (False, None)
+    # Both paths (the training path: the gradients formed in the forward; automatic for training).
+    paths = (False, True)
     for (divergence, options), path in itertools.product(
             (("forward_kl", {"labels": labels, "ce_weight": 0.5}),
              ("jsd", {"beta": 0.3, "bias_s": bias_s, "bias_t": bias_t})), paths):

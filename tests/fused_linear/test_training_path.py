@@ -80,15 +80,6 @@ def test_automatic_choice_keeps_the_recompute_path_past_four_roundings():
     assert names == {300: {CHUNK_OP}, 1200: {FORWARD_OP}}, names
 
 
-@CUDA
-def test_vocabulary_shards_on_cuda_ask_for_the_recompute_path():
-    # The training path's stages over a shard's products have CPU kernels only so far: asked for on CUDA,
-    # a clear error before any collective (the CPU runs it: tests/distributed/test_vocab_parallel.py).
-    xs, xt, ws, wt, labels = (t.cuda() for t in _problem("cpu"))
-    with pytest.raises(NotImplementedError, match="vocabulary shards on cuda"):
-        nitrobrew.forward_kl(xs.requires_grad_(), xt, ws, wt, process_group=object(), grad_in_forward=True)
-
-
 def test_bad_options_are_clear_errors():
     xs, xt, ws, wt, labels = _problem("cpu")
     with pytest.raises(ValueError, match="grad_in_forward=True needs a scalar loss"):
