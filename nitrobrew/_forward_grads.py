@@ -335,14 +335,16 @@ def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, 
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
-            x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
-            if wide_dws:
-                ops.accumulate_grad(dws_v, grad_b, x, 0.0 if b0 == 0 else 1.0)
+            if wide_dws:  # float16's range scale comes out of the float32 sum below, not out of x
+                ops.accumulate_grad(dws_v, grad_b, xs_b.to(gdtype).contiguous(), 0.0 if b0 == 0 else 1.0)
             else:
+                x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
                 dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
+    if wide_dws and unscale is not None:
+        dws_v.mul_(unscale)  # a power of two, exact in float32
     if need_dxs and rows.sum_dxs is not None:
         rows.sum_dxs(dxs)
     loss = reduce_rows(torch.cat(losses) if len(losses) > 1 else losses[0], (n,), reduction, labels, ignore_index)

@@ -93,12 +93,14 @@ def test_accumulate_grad_op_on_cuda():
 
 
 @CUDA
-def test_dws_past_four_chunks_keeps_the_recompute_paths_accuracy():
-    # bf16 tokens under a 1 MiB bound: 1200 tokens take 5+ chunks of G, so dws accumulates in float32 and is
-    # rounded once: its error stays within 1.5x the recompute path's (one rounding of a float32 sum).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dws_past_four_chunks_keeps_the_recompute_paths_accuracy(dtype):
+    # 16-bit tokens under a 1 MiB bound: 4000 tokens take 16 chunks of G, so dws accumulates in float32
+    # (nitrobrew::accumulate_grad) and is rounded once: its error stays within 1.5x the recompute path's.
+    # Rounded to 16 bits per chunk it would be ~2.5x one rounding (tools/profiling/dws_rounding.py).
     fg = nitrobrew._forward_grads
-    assert fg.float32_dws(1200, 1001, torch.bfloat16, "cuda", 1 << 20)
-    xs, xt, ws, wt, labels = make_problem(n=1200, v=1001, d_s=64, d_t=48, dtype=torch.bfloat16, device="cuda")
+    assert fg.chunk_count(4000, 1001, dtype, "cuda", 1 << 20) >= 16 and fg.float32_dws(4000, 1001, dtype, "cuda", 1 << 20)
+    xs, xt, ws, wt, labels = make_problem(n=4000, v=1001, d_s=64, d_t=48, dtype=dtype, device="cuda")
     x64, xt64, w64, wt64 = (t.double().cpu() for t in (xs, xt, ws, wt))  # the bf16 inputs, widened
     w64.requires_grad_()
     exact = torch.autograd.grad(nitrobrew.reference.fused_linear(x64, xt64, w64, wt64, beta=0.4, labels=labels.cpu()),
@@ -107,7 +109,9 @@ def test_dws_past_four_chunks_keeps_the_recompute_paths_accuracy():
     for path, kw in (("training", dict(grad_in_forward=True, grad_chunk_mib=1)),
                      ("recompute", dict(grad_in_forward=False))):
         w = ws.clone().requires_grad_()
-        (dws,) = torch.autograd.grad(nitrobrew.jsd(xs, xt, w, wt, beta=0.4, labels=labels, **kw), w)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            (dws,) = torch.autograd.grad(nitrobrew.jsd(xs, xt, w, wt, beta=0.4, labels=labels, **kw), w)
+        assert ("nitrobrew::accumulate_grad" in {e.name for e in prof.events()}) == (path == "training")
         errors[path] = ((dws.double().cpu() - exact).norm() / exact.norm()).item()
     assert errors["training"] <= 1.5 * errors["recompute"], errors
 
