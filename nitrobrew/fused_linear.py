@@ -185,6 +185,10 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     recompute path's (distributed.py)."""
     lead_shape = xs.shape[:-1]
     xs, xt = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
+    # Checks the kernels would make, here on every rank alike: a rank whose shard holds no rows runs none
+    # of them, and would wait in a collective for ranks that raised.
+    if xs.device.type == "cuda" and xs.dtype == torch.float64:
+        raise TypeError("float64 inputs are supported on the CPU only")
     if train and not _training_shards.runs_on(xs.device.type, tokens_sharded):
         if grad_in_forward:
             where = "data-parallel (FSDP2) shards" if tokens_sharded else f"vocabulary shards on {xs.device.type}"
@@ -194,6 +198,8 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     shard, wt, bias_t = distributed.fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
     if train:
         shards = _training_shards.plan(call, shard)
+        if call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label (every rank alike)
+            _checks.ids_in_range(flat_labels, shards.vocab_size, "labels", call.ignore_index)
         options = call.op_options(shards.real)[:-1]
         return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                      shards)

@@ -100,7 +100,12 @@ def _ops_run(fn):
 
 def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool | None = False) -> None:
     """Every case on the recompute path (grad_in_forward False), or on the training path (True) where
-    the loss is a scalar (the rest take the recompute path alike)."""
+    the loss is a scalar (the rest take the recompute path alike), there in chunks of 8 tokens and steps
+    of 3 (so that every rank runs several steps' collectives and several chunks' dws sums)."""
+    if grad_in_forward is not False:
+        from nitrobrew import _forward_grads
+
+        _forward_grads.chunk_plan = lambda *args: _forward_grads.Chunks(grad_rows=8, product_rows=3)
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
@@ -337,6 +342,11 @@ def errors(rank: int, world: int) -> None:
         "a label past vocab_size": (IndexError, "labels",
                                     lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows], labels=labels + V,
                                                                  ce_weight=1.0, process_group=group)),
+        "a label past vocab_size, training path": (IndexError, "labels",
+                                                   lambda: nitrobrew.forward_kl(
+                                                       xs.clone().requires_grad_(), xt, ws[rows], wt[rows],
+                                                       labels=labels + V, ce_weight=1.0, process_group=group,
+                                                       grad_in_forward=True)),
         "a process_group that is no group": (TypeError, "process_group must be",
                                              lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows],
                                                                           process_group="world")),
