@@ -63,6 +63,11 @@ def _(zs, zt, labels, bias_s, bias_t, row_stats, row_scale, *options):
     return torch.empty_strided((n, vocab), (ld, 1), dtype=grad_dtype(options[-1], zs.device.type), device=zs.device)
 
 
+@torch.library.register_fake("nitrobrew::accumulate_grad")
+def _(acc, g, x, beta):
+    return None
+
+
 @torch.library.register_fake("nitrobrew::scaled")
 def _(x, factor):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -105,26 +110,24 @@ def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_ty
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
 
 
-# The most chunks of G the automatic choice accepts where dws is accumulated in 16 bits (CUDA, bf16 or
-# fp16 inputs): each chunk after the first rounds dws once more. Simulated (bf16, docs/notes/
-# fused_linear_training_path.md): dws's error is 1.22x / 1.42x / 1.57x / 2.10x that of one rounding at 2 /
-# 3 / 4 / 8 chunks; with the recompute path's own error (1.4x one rounding) 4 chunks stay within ~1.3x of
-# it. Past that (Qwen's vocabulary, the default bound: ~18k tokens) the automatic choice takes the
-# recompute path; grad_in_forward=True still takes this one, and a larger grad_chunk_mib means fewer chunks.
-MAX_AUTOMATIC_CHUNKS = 4
+# The most chunks of G over which dws is accumulated in 16 bits (CUDA, bf16 or fp16 inputs): each chunk after
+# the first rounds dws once more. Simulated (bf16, docs/notes/fused_linear_training_path.md): dws's error is
+# 1.22x / 1.42x / 1.57x / 2.10x that of one rounding at 2 / 3 / 4 / 8 chunks; with the recompute path's own
+# error (1.4x one rounding) 4 chunks stay within ~1.3x of it (measured at 3: 1.23-1.33x). Past that (Qwen's
+# vocabulary, the default bound: ~18k tokens) dws accumulates in float32 (nitrobrew::accumulate_grad) and is
+# rounded once, in the backward: 2 more bytes per entry of ws, beyond grad_chunk_mib.
+MAX_ROUNDED_CHUNKS = 4
 
 
-def rounded_chunks(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
-    """How many times the training path rounds dws to 16 bits for n tokens (1 where it accumulates in float32)."""
-    if torch.finfo(grad_dtype(dtype, device_type)).bits > 16:
-        return 1
+def chunk_count(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
+    """How many chunks of G the training path takes for n tokens."""
     return math.ceil(max(n, 1) / chunk_plan(n, vocab, dtype, device_type, chunk_bytes).grad_rows)
 
 
-def automatic_fits(choice: bool | None, n: int, vocab: int, dtype: torch.dtype, device_type: str,
-                   chunk_bytes: int) -> bool:
-    """False where the automatic choice (None) should keep the recompute path for dws's accuracy."""
-    return choice is not None or rounded_chunks(n, vocab, dtype, device_type, chunk_bytes) <= MAX_AUTOMATIC_CHUNKS
+def float32_dws(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> bool:
+    """Whether dws accumulates in float32 rather than in G's 16-bit dtype (see MAX_ROUNDED_CHUNKS)."""
+    return (torch.finfo(grad_dtype(dtype, device_type)).bits <= 16
+            and chunk_count(n, vocab, dtype, device_type, chunk_bytes) > MAX_ROUNDED_CHUNKS)
 
 
 def chunk_budget_bytes(grad_chunk_mib) -> int:
@@ -316,8 +319,10 @@ def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, 
     if need_dxs:
         ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
         dxs = xs.new_empty((n, xs.shape[1]), dtype=gdtype)
+    # dws in G's dtype, or where 16-bit dws would be rounded in more than MAX_ROUNDED_CHUNKS chunks, in float32.
+    wide_dws = need_dws and float32_dws(n, rows.plan_vocab, xs.dtype, xs.device.type, chunk_bytes)
     if need_dws:
-        dws = ws.new_empty(ws.shape, dtype=gdtype)
+        dws = ws.new_empty(ws.shape, dtype=torch.float32 if wide_dws else gdtype)
         dws[vocab:].zero_()  # padded rows past vocab_size get no gradient
         dws_v = dws[:vocab]
     if need_dbias:
@@ -330,11 +335,16 @@ def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, 
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
-            x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
-            dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
+            if wide_dws:  # float16's range scale comes out of the float32 sum below, not out of x
+                ops.accumulate_grad(dws_v, grad_b, xs_b.to(gdtype).contiguous(), 0.0 if b0 == 0 else 1.0)
+            else:
+                x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
+                dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
+    if wide_dws and unscale is not None:
+        dws_v.mul_(unscale)  # a power of two, exact in float32
     if need_dxs and rows.sum_dxs is not None:
         rows.sum_dxs(dxs)
     loss = reduce_rows(torch.cat(losses) if len(losses) > 1 else losses[0], (n,), reduction, labels, ignore_index)

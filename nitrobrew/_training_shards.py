@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from nitrobrew import distributed
-from nitrobrew._forward_grads import _ChunkRows, _grad_dtype, automatic_fits
+from nitrobrew._forward_grads import _ChunkRows, _grad_dtype
 from nitrobrew._registration import ops, stats_dtype
 
 # The devices with the product ops (nitrobrew::product_partials, product_grads).
@@ -71,14 +71,9 @@ class TrainingShards:
         return _ChunkRows(real, min(shard.max_rows, self.vocab_size), sum_dxs, grad_chunk)
 
 
-def plan(call: distributed.FusedLinearCall, shard, choice: bool | None, n: int, dtype: torch.dtype,
-         device_type: str, chunk_bytes: int) -> TrainingShards | None:
-    """The training path's shards where it runs: asked for, or automatic within its chunk count (the
-    largest shard's, so that every rank decides alike); None keeps the recompute path."""
-    vocab_size = shard.total if call.vocab_size is None else call.vocab_size
-    if not automatic_fits(choice, n, min(shard.max_rows, vocab_size), dtype, device_type, chunk_bytes):
-        return None
-    return TrainingShards(call, shard, vocab_size)
+def plan(call: distributed.FusedLinearCall, shard) -> TrainingShards:
+    """The training path's shards: chunks planned for the largest shard, so that every rank runs alike."""
+    return TrainingShards(call, shard, shard.total if call.vocab_size is None else call.vocab_size)
 
 
 def runs_on(device_type: str, tokens_sharded: bool) -> bool:

@@ -112,8 +112,6 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
                          'just the K logits a token needs, which no chunk of full logits can beat')
     train = normalize == "full" and _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type,
                                                           _forward_grads.TOPK_AUTOMATIC_DEVICES)
-    train = train and _forward_grads.automatic_fits(grad_in_forward, xs.numel() // xs.shape[-1], ws.shape[0],
-                                                    xs.dtype, xs.device.type, chunk_bytes)
     if process_group is not None:
         if grad_in_forward and train:
             raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
