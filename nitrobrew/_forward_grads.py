@@ -200,15 +200,39 @@ def _scaled_gradients(ctx, grad_loss):
     xs_dtype, ws_dtype = ctx.dtypes
     # dxs and dbias_s come from G stored times float16's range scale; dws does not (see _forward_grads).
     ranged = grad_loss if unscale is None else grad_loss * unscale
+    # Data parallelism: dws and dbias_s hold every rank's tokens' terms, averaged over the ranks as FSDP2
+    # averages; the forward could not weight them by each rank's upstream gradient, so all must be alike.
+    weight_grad = grad_loss if ctx.group is None else _same_on_every_rank(grad_loss, ctx.group) / ctx.world
+    weight_ranged = weight_grad if unscale is None else weight_grad * unscale
     # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
     # a power of two: loss.backward()'s 1, or a loss scale).
     return [None if t is None else ops.scaled(t, factor).to(dtype)
-            for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, grad_loss, ws_dtype), (dbias, ranged, ws_dtype))]
+            for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, weight_grad, ws_dtype),
+                                     (dbias, weight_ranged, ws_dtype))]
 
 
-def _save(ctx, xs, ws, saved):
+def _same_on_every_rank(grad_loss: Tensor, group) -> Tensor:
+    """grad_loss, after checking that every rank of `group` has the same (one all-gather of a scalar and a
+    host read: every rank raises alike)."""
+    from nitrobrew import distributed
+
+    every = distributed._all_gather(grad_loss.reshape(1), group)
+    if not bool((every == every[0]).all()):
+        raise RuntimeError(
+            "grad_in_forward=True over FSDP2's shards (each rank's own tokens) needs the same upstream gradient "
+            f"on every rank: the shard's ws.grad sums every rank's tokens, formed in the forward; got "
+            f"{every.flatten().tolist()}. Scale the loss alike on every rank, or pass grad_in_forward=False")
+    return grad_loss
+
+
+def _save(ctx, xs, ws, saved, group=None):
     ctx.save_for_backward(*saved)
     ctx.dtypes = (xs.dtype, ws.dtype)
+    ctx.group = group  # data parallelism's group (the ranks whose tokens dws sums), or None
+    if group is not None:
+        from nitrobrew import distributed
+
+        ctx.world = distributed._dist().get_world_size(group)
 
 
 class FusedLinearForwardGrads(torch.autograd.Function):
@@ -220,7 +244,8 @@ class FusedLinearForwardGrads(torch.autograd.Function):
                 needs: tuple, shards=None):
         # shards: a vocabulary shard per rank (nitrobrew/_training_shards.py), whose chunks merge their rows
         # over the group; else the whole vocabulary, one op per chunk.
-        if shards is not None:
+        if shards is not None:  # data parallelism: every rank's tokens, gathered
+            xs, xt, labels = shards.gather_tokens(xs, xt, labels)
             rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t)
         else:
             rows = _ChunkRows(options[-1], options[-1], None, lambda b0, b1, row_scale, product_rows: (
@@ -230,7 +255,7 @@ class FusedLinearForwardGrads(torch.autograd.Function):
         # must not round G or the hidden states again.
         with torch.autocast(xs.device.type, enabled=False):
             loss, saved = _forward_grads(xs, ws, labels, options[0], reduction, chunk_bytes, needs, rows)
-        _save(ctx, xs, ws, saved)
+        _save(ctx, xs, ws, saved, None if rows.owners is None else shards.shard.group)
         return loss
 
     @staticmethod
@@ -291,28 +316,45 @@ class _ChunkRows:
     """What the chunk loop needs of a loss: grad_chunk(b0, b1, row_scale, product_rows) returns the losses
     of rows [b0, b1) and their G over the first `vocab` rows of ws (times row_scale, in _grad_dtype), from
     products of product_rows rows at a time; plan_vocab: the columns the chunks are planned for (alike on
-    every rank of a vocabulary-sharded loss); sum_dxs: sums dxs's terms over the shards in place, or None."""
+    every rank of a vocabulary-sharded loss); sum_dxs: dxs's terms summed over the shards (the tensor it
+    returns: all of dxs, or in data parallelism this rank's own rows), or None; owners: in data
+    parallelism, every rank's token count (the rows are every rank's tokens, in rank order) and this
+    rank's place, else None."""
 
     vocab: int
     plan_vocab: int
     sum_dxs: object
     grad_chunk: object
+    owners: tuple[tuple[int, ...], int] | None = None
+
+
+def _owner_spans(n: int, owners) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The rows of each rank's tokens, and this rank's: [(0, n)] and (0, n) without data parallelism."""
+    if owners is None:
+        return [(0, n)], (0, n)
+    counts, rank = owners
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    spans = list(zip(starts[:-1], starts[1:]))
+    return spans, spans[rank]
 
 
 def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, rows: _ChunkRows):
     """The chunk loop over `rows` (_ChunkRows). Returns the reduced loss and what the backward scales:
-    (dxs, dws, dbias_s, float16's unscale or None)."""
+    (dxs, dws, dbias_s, float16's unscale or None). In data parallelism (rows.owners) each rank's tokens
+    are reduced alone: chunks do not cross ranks' tokens, each weighted by its rank's reduction, and the loss
+    and dxs are this rank's tokens'."""
     need_dxs, need_dws, need_dbias = needs
     n, vocab = xs.shape[0], rows.vocab
     gdtype = _grad_dtype(xs)
     loss_dtype = stats_dtype(xs.dtype)
     chunks = chunk_plan(n, rows.plan_vocab, xs.dtype, xs.device.type, chunk_bytes)
-    weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
+    spans, own = _owner_spans(n, rows.owners)
+    weights = [_row_weight(s1 - s0, reduction, None if labels is None else labels[s0:s1], ignore_index, xs.device,
+                           loss_dtype) for s0, s1 in spans]
     # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
     # over every token that could leave float16's range at that scale, takes it out at once through the
     # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal).
-    range_scale = _float16_range_scale(weight) if gdtype == torch.float16 else None
-    row_scale = weight if range_scale is None else weight * range_scale
+    range_scale = _float16_range_scale(torch.stack(weights).max()) if gdtype == torch.float16 else None
     unscale = None if range_scale is None else 1.0 / range_scale
     losses = []
     dxs = dws = dws_v = dbias = ws_v = None
@@ -327,27 +369,33 @@ def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, 
         dws_v = dws[:vocab]
     if need_dbias:
         dbias = torch.zeros(ws.shape[0], dtype=loss_dtype, device=ws.device)
-    for b0 in range(0, max(n, 1), chunks.grad_rows):  # no token: one empty chunk, zero gradients
-        b1 = min(n, b0 + chunks.grad_rows)
+    # No token: one empty chunk, zero gradients. A rank without tokens (data parallelism) adds no chunk.
+    bounds = [(b0, min(s1, b0 + chunks.grad_rows), weight) for (s0, s1), weight in zip(spans, weights)
+              for b0 in range(s0, s1, chunks.grad_rows)] or [(0, 0, weights[0])]
+    for b0, b1, weight in bounds:
+        first = b0 == bounds[0][0]
         xs_b = xs[b0:b1]
+        row_scale = weight if range_scale is None else weight * range_scale
         loss_b, grad_b = rows.grad_chunk(b0, b1, row_scale, chunks.product_rows)
         losses.append(loss_b)
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
             if wide_dws:  # float16's range scale comes out of the float32 sum below, not out of x
-                ops.accumulate_grad(dws_v, grad_b, xs_b.to(gdtype).contiguous(), 0.0 if b0 == 0 else 1.0)
+                ops.accumulate_grad(dws_v, grad_b, xs_b.to(gdtype).contiguous(), 0.0 if first else 1.0)
             else:
                 x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
-                dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
+                dws_v.addmm_(grad_b.t(), x, beta=0 if first else 1)
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
     if wide_dws and unscale is not None:
         dws_v.mul_(unscale)  # a power of two, exact in float32
     if need_dxs and rows.sum_dxs is not None:
-        rows.sum_dxs(dxs)
-    loss = reduce_rows(torch.cat(losses) if len(losses) > 1 else losses[0], (n,), reduction, labels, ignore_index)
+        dxs = rows.sum_dxs(dxs)
+    losses = torch.cat(losses) if len(losses) > 1 else losses[0]
+    o0, o1 = own
+    loss = reduce_rows(losses[o0:o1], (o1 - o0,), reduction, None if labels is None else labels[o0:o1], ignore_index)
     # In G's dtype: the backward's product with the upstream gradient is their only rounding to the inputs'
     # dtype on the CPU; on CUDA, they are the inputs' dtype already (exact when that gradient is 1).
     return loss, (dxs, dws, dbias, unscale)

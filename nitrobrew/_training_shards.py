@@ -1,5 +1,5 @@
 """The training path (_forward_grads.py) over vocabulary shards: process_group= or DTensor lm_heads whose
-ranks hold the same tokens (tensor parallelism).
+ranks hold the same tokens (tensor parallelism), or each its own (FSDP2's data parallelism).
 
 Each rank forms its shard's products of a step of rows once (nitrobrew::products), folds them into the
 rows' unfinished states (nitrobrew::product_partials), which one all-gather and merge_shards finish over
@@ -9,6 +9,11 @@ of the shard's rows from G, and dxs's shard term, which one all-reduce sums at t
 the collectives of the recompute path (docs/distributed.md), with the backward's all-reduce moved into
 the forward. Every rank plans its chunks for the largest shard, so that all run the same steps and
 collectives.
+
+In data parallelism the ranks' tokens are all-gathered first (as the recompute path does), each rank's
+tokens are weighted by its own reduction, dxs's sum is a reduce-scatter to each rank's own tokens, and the
+backward averages dws over the ranks as FSDP2 does, which needs the same upstream gradient on every rank
+(checked there: _forward_grads._same_on_every_rank).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import distributed
+from nitrobrew import _checks, distributed
 from nitrobrew._forward_grads import _ChunkRows, _grad_dtype
 from nitrobrew._registration import ops, stats_dtype
 
@@ -27,10 +32,22 @@ DEVICES = frozenset({"cpu", "cuda"})
 class TrainingShards:
     """A vocabulary-sharded loss's rows for the chunk loop (FusedLinearForwardGrads' `shards`)."""
 
-    def __init__(self, call: distributed.FusedLinearCall, shard, vocab_size: int):
+    def __init__(self, call: distributed.FusedLinearCall, shard, vocab_size: int, tokens_per_rank=None):
         self.call, self.shard, self.vocab_size = call, shard, vocab_size
+        self.tokens_per_rank = tokens_per_rank  # data parallelism: every rank's token count, else None
         self.real = max(0, min(vocab_size - shard.start, shard.rows))  # the shard's rows inside vocab_size
         self.options = call.op_options(self.real)[:-2]  # the product ops' (no vocab_size, chunk_v)
+
+    def gather_tokens(self, xs, xt, labels):
+        """Every rank's tokens in rank order (data parallelism), else the inputs as they are; labels checked
+        where the cross-entropy reads them, on inputs every rank holds alike, so that every rank raises alike."""
+        if self.tokens_per_rank is not None:
+            xs, xt, labels = (None if t is None else distributed._gather_tokens(t, self.tokens_per_rank,
+                                                                                self.shard.group)
+                              for t in (xs, xt, labels))
+        if self.call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label
+            _checks.ids_in_range(labels, self.vocab_size, "labels", self.call.ignore_index)
+        return xs, xt, labels
 
     def rows(self, xs, xt, ws, wt, labels, bias_s, bias_t) -> _ChunkRows:
         call, shard, real = self.call, self.shard, self.real
@@ -65,20 +82,24 @@ class TrainingShards:
                 loss[r0 - b0:r1 - b0], grad[r0 - b0:r1 - b0] = step(r0, r1, row_scale)
             return loss, grad
 
-        def sum_dxs(dxs):
-            distributed._dist().all_reduce(dxs, group=shard.group)
+        def sum_dxs(dxs):  # all of dxs, or this rank's own tokens' rows (a reduce-scatter)
+            return distributed._sum_tokens(dxs, self.tokens_per_rank, shard.group)
 
-        return _ChunkRows(real, min(shard.max_rows, self.vocab_size), sum_dxs, grad_chunk)
-
-
-def plan(call: distributed.FusedLinearCall, shard) -> TrainingShards:
-    """The training path's shards: chunks planned for the largest shard, so that every rank runs alike."""
-    return TrainingShards(call, shard, shard.total if call.vocab_size is None else call.vocab_size)
+        owners = None if self.tokens_per_rank is None else (
+            self.tokens_per_rank, distributed._dist().get_rank(shard.group))
+        return _ChunkRows(real, min(shard.max_rows, self.vocab_size), sum_dxs, grad_chunk, owners)
 
 
-def runs_on(device_type: str, tokens_sharded: bool) -> bool:
-    """Whether the sharded training path runs there: the product ops' devices, ranks holding the same tokens."""
-    return device_type in DEVICES and not tokens_sharded
+def plan(call: distributed.FusedLinearCall, shard, xs: Tensor, tokens_sharded: bool) -> TrainingShards:
+    """The training path's shards: chunks planned for the largest shard, so that every rank runs alike; in
+    data parallelism (tokens_sharded) every rank's token count (an all-gather and a host read)."""
+    tokens_per_rank = distributed._tokens_per_rank(xs.shape[0], xs.device, shard.group) if tokens_sharded else None
+    return TrainingShards(call, shard, shard.total if call.vocab_size is None else call.vocab_size, tokens_per_rank)
+
+
+def runs_on(device_type: str) -> bool:
+    """Whether the sharded training path runs there: the product ops' devices."""
+    return device_type in DEVICES
 
 
 def loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels, bias_s, bias_t, options: tuple, reduction: str,

@@ -189,17 +189,17 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     # of them, and would wait in a collective for ranks that raised.
     if xs.device.type == "cuda" and xs.dtype == torch.float64:
         raise TypeError("float64 inputs are supported on the CPU only")
-    if train and not _training_shards.runs_on(xs.device.type, tokens_sharded):
+    if train and not _training_shards.runs_on(xs.device.type):
         if grad_in_forward:
-            where = "data-parallel (FSDP2) shards" if tokens_sharded else f"vocabulary shards on {xs.device.type}"
-            raise NotImplementedError(f"grad_in_forward=True: the training path does not run over {where} yet; "
-                                      f"grad_in_forward=None or False takes the recompute path")
+            raise NotImplementedError(f"grad_in_forward=True: the training path does not run over vocabulary shards "
+                                      f"on {xs.device.type}; grad_in_forward=None or False takes the recompute path")
         train = False
+    # Data parallelism (FSDP2: each rank's own tokens) takes the training path only when asked for: it needs
+    # the same upstream gradient on every rank, which the forward cannot know (docs/distributed.md).
+    train = train and (grad_in_forward is True or not tokens_sharded)
     shard, wt, bias_t = distributed.fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
     if train:
-        shards = _training_shards.plan(call, shard)
-        if call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label (every rank alike)
-            _checks.ids_in_range(flat_labels, shards.vocab_size, "labels", call.ignore_index)
+        shards = _training_shards.plan(call, shard, xs, tokens_sharded)
         options = call.op_options(shards.real)[:-1]
         return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                      shards)
