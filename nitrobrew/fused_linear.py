@@ -234,10 +234,11 @@ Args:
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
         a graph for xs, ws or bias_s. Automatic: the training path wherever it can run (CPU and CUDA),
-        except under torch.compile and over vocabulary shards sharded by FSDP2 (those of tensor parallelism
-        take it: docs/distributed.md); it measured faster (docs/performance.md) at up to grad_chunk_mib more
-        memory, and past 4 chunks of 16-bit G (long sequences) 2 more bytes per entry of ws for dws
-        accumulated in float32. False keeps the recompute path's smaller footprint.
+        except under torch.compile and over vocabulary shards sharded by FSDP2, where it needs the same
+        upstream gradient on every rank (pass True; tensor parallelism's take it: docs/distributed.md); it
+        measured faster (docs/performance.md) at up to grad_chunk_mib more memory, and past 4 chunks of
+        16-bit G (long sequences) 2 more bytes per entry of ws for dws accumulated in float32. False keeps
+        the recompute path's smaller footprint.
     grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
         and its dLoss/dz (at least one token's). Larger chunks read and write dws fewer times. The
         gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of
