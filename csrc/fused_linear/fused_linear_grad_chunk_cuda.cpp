@@ -46,6 +46,26 @@ RowOverlap row_overlap() {
   return RowOverlap::kNone;
 }
 
+// Makes `main` wait for all work queued on `side` when it goes out of scope, also while an exception unwinds:
+// the tensors declared before it (the products, the outputs) go back to `main`'s pool only after the side
+// stream's kernels that use them. Raw calls that warn rather than throw.
+class JoinStreams {
+ public:
+  JoinStreams(cudaStream_t main, cudaStream_t side) : main_(main), side_(side) {}
+  JoinStreams(const JoinStreams&) = delete;
+  JoinStreams& operator=(const JoinStreams&) = delete;
+  ~JoinStreams() {
+    cudaEvent_t done;
+    C10_CUDA_CHECK_WARN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    C10_CUDA_CHECK_WARN(cudaEventRecord(done, side_));
+    C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(main_, done, 0));
+    C10_CUDA_CHECK_WARN(cudaEventDestroy(done));  // released once the wait is satisfied
+  }
+
+ private:
+  cudaStream_t main_, side_;
+};
+
 std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
@@ -75,18 +95,22 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
   at::Tensor products = at::empty({buffers, 2, rows, ld}, xs.options().dtype(at::kFloat));
   const at::Tensor scale = row_scale.contiguous();
   const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream();
-  // With two buffers: the row kernels' stream, and per buffer the events "products written" (main ->
-  // rows) and "products read" (rows -> main, before the buffer is written again). The rows' stream joins
-  // the main stream before returning, so every later use or free of these tensors on the main stream
-  // (and a CUDA graph's capture) is ordered after it.
+  // With two buffers: the row kernels' stream (a pool stream, which other users of the pool may share:
+  // a development knob), and per buffer the events "products written" (main -> rows) and "products read"
+  // (rows -> main, before the buffer is written again). The rows' stream joins the main stream when `join`
+  // goes out of scope, so every later use or free of these tensors on the main stream (and a CUDA graph's
+  // capture) is ordered after it.
   std::optional<c10::cuda::CUDAStream> rows_stream;
   at::cuda::CUDAEvent written[2], read[2];
   bool read_pending[2] = {false, false};
   if (buffers == 2) rows_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, xs.device().index());
+  std::optional<JoinStreams> join;
+  if (rows_stream) join.emplace(main.stream(), rows_stream->stream());
+  float* const products_base = products.data_ptr<float>();
   for (int64_t r0 = 0, step = 0; r0 < n; r0 += rows, ++step) {
     const int64_t count = std::min(rows, n - r0), b = step % buffers;
-    float* zs = products[b][0].data_ptr<float>();
-    float* zt = products[b][1].data_ptr<float>();
+    float* zs = products_base + 2 * b * rows * ld;
+    float* zt = zs + rows * ld;
     if (read_pending[b]) read[b].block(main);
     products_f32(in.xs.narrow(0, r0, count), in.ws, vocab, zs, ld);
     products_f32(in.xt.narrow(0, r0, count), in.wt, vocab, zt, ld);
@@ -114,11 +138,6 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     }
     read[b].record(*rows_stream);
     read_pending[b] = true;
-  }
-  if (rows_stream) {  // join: the rows' stream's last event covers all its work (it is serial)
-    at::cuda::CUDAEvent done;
-    done.record(*rows_stream);
-    done.block(main);
   }
   return {loss, grad};
 }
