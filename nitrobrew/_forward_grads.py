@@ -268,14 +268,19 @@ class TopKForwardGrads(torch.autograd.Function):
     """Top-K from hidden states (normalize="full") on the training path, as FusedLinearForwardGrads. A
     step's rows: the student's float32 products (nitrobrew::products), its lm_head bias and logit scale,
     then the logits family's top-K forward and backward (nitrobrew.logits.topk_kl's kernels) for their
-    losses and G."""
+    losses and G; over vocabulary shards (shards: _training_shards.TopKTrainingShards) the shards' row
+    states merged between the two."""
 
     @staticmethod
     def forward(ctx, xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, options: tuple, reduction: str,
-                chunk_bytes: int, needs: tuple):
+                chunk_bytes: int, needs: tuple, shards=None):
         ignore_index, temperature, logit_scale_s = options
+        if shards is not None:  # data parallelism: every rank's tokens, gathered
+            xs, teacher_ids, teacher_logprobs, labels = shards.gather_tokens(xs, teacher_ids, teacher_logprobs,
+                                                                             labels)
         vocab = ws.shape[0]
         bias = None if bias_s is None else bias_s.to(stats_dtype(xs.dtype))
+        step_rows = topk_step_rows if shards is None else shards.step_rows(teacher_ids, teacher_logprobs)
 
         def grad_chunk(b0, b1, row_scale, product_rows):
             n = b1 - b0
@@ -289,26 +294,35 @@ class TopKForwardGrads(torch.autograd.Function):
                     z.add_(bias)
                 if logit_scale_s != 1.0:
                     z.mul_(logit_scale_s)
-                rows = (z, teacher_ids[r0:r1], teacher_logprobs[r0:r1], None if labels is None else labels[r0:r1])
-                loss_r, stats = ops.topk_logits_fwd(*rows, ignore_index, temperature, False)
-                dz = ops.topk_logits_bwd(row_scale.expand(r1 - r0).contiguous(), *rows, stats, ignore_index,
-                                         temperature, False)
+                loss_r, dz = step_rows(z, teacher_ids[r0:r1], teacher_logprobs[r0:r1],
+                                       None if labels is None else labels[r0:r1], row_scale, r0, r1,
+                                       (ignore_index, temperature, False))
                 if logit_scale_s != 1.0:  # G is dLoss/d(products + bias), as the fused-linear op's
                     dz.mul_(logit_scale_s)
                 loss[r0 - b0:r1 - b0] = loss_r
                 grad[r0 - b0:r1 - b0] = dz
             return loss, grad
 
+        if shards is None:
+            rows = _ChunkRows(vocab, vocab, None, grad_chunk)
+        else:
+            rows = _ChunkRows(vocab, shards.plan_vocab, shards.sum_dxs, grad_chunk, shards.owners)
         with torch.autocast(xs.device.type, enabled=False):
-            loss, saved = _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs,
-                                         _ChunkRows(vocab, vocab, None, grad_chunk))
-        _save(ctx, xs, ws, saved)
+            loss, saved = _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, rows)
+        _save(ctx, xs, ws, saved, None if rows.owners is None else shards.group)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
-        return dxs, dws, None, None, None, dbias, None, None, None, None
+        return dxs, dws, None, None, None, dbias, None, None, None, None, None
+
+
+def topk_step_rows(z, ids, logprobs, labels, row_scale, r0, r1, options):
+    """A step's top-K losses and dLoss/dz (times row_scale) from its logits z over the whole vocabulary."""
+    loss, stats = ops.topk_logits_fwd(z, ids, logprobs, labels, *options)
+    return loss, ops.topk_logits_bwd(row_scale.expand(z.shape[0]).contiguous(), z, ids, logprobs, labels, stats,
+                                     *options)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,59 @@ class TrainingShards:
         return _ChunkRows(real, min(shard.max_rows, self.vocab_size), sum_dxs, grad_chunk, owners)
 
 
+class TopKTrainingShards:
+    """A vocabulary-sharded top-K loss (normalize="full") for TopKForwardGrads: each step's shard logits run
+    the top-K forward with the teacher ids the shard holds (distributed._TopKShard's layout), the shards'
+    states are merged over the group (one all-gather of [n, 2 + K] float64), then the top-K backward."""
+
+    def __init__(self, call: distributed.TopKCall, shard, tokens_per_rank=None):
+        self.topk = distributed._TopKShard(call, shard)
+        self.group, self.tokens_per_rank = shard.group, tokens_per_rank
+        self.plan_vocab = shard.max_rows  # chunks planned for the largest shard: every rank runs alike
+        self.owners = None if tokens_per_rank is None else (tokens_per_rank, distributed._dist().get_rank(shard.group))
+
+    def gather_tokens(self, xs, ids, logprobs, labels):
+        """Every rank's tokens in rank order (data parallelism), else the inputs as they are."""
+        if self.tokens_per_rank is None:
+            return xs, ids, logprobs, labels
+        return tuple(None if t is None else distributed._gather_tokens(t, self.tokens_per_rank, self.group)
+                     for t in (xs, ids, logprobs, labels))
+
+    def step_rows(self, ids, logprobs):
+        """TopKForwardGrads' step over this shard (the ids' range checked on ids every rank holds alike)."""
+        held, local_ids, local_logprobs = self.topk._local_teacher(ids, logprobs)
+
+        def step(z, ids_r, logprobs_r, labels_r, row_scale, r0, r1, options):
+            local = (local_ids[r0:r1], local_logprobs[r0:r1], labels_r)
+            local_stats = ops.topk_logits_fwd(z, *local, *options)[1] if z.shape[1] > 0 else None
+            loss, row_stats = self.topk._merged(local_stats, held[r0:r1], logprobs_r, labels_r,
+                                                z.dtype == torch.float64)
+            if z.shape[1] == 0:  # a shard of no rows: no G
+                return loss, z
+            return loss, ops.topk_logits_bwd(row_scale.expand(z.shape[0]).contiguous(), z, *local, row_stats,
+                                             *options)
+
+        return step
+
+    def sum_dxs(self, dxs):  # all of dxs, or this rank's own tokens' rows (a reduce-scatter)
+        return distributed._sum_tokens(dxs, self.tokens_per_rank, self.group)
+
+
+@torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
+def topk_loss(xs: Tensor, ws: Tensor, bias_s, teacher_ids: Tensor, teacher_logprobs: Tensor, labels,
+              call: distributed.TopKCall, group, tokens_sharded: bool, reduction: str, chunk_bytes: int) -> Tensor:
+    """The reduced top-K loss (normalize="full") of 2-D inputs over the vocabulary shards ws of `group`'s ranks,
+    its gradients formed in the forward."""
+    from nitrobrew._forward_grads import TopKForwardGrads
+
+    shard = distributed._shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
+    tokens_per_rank = distributed._tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
+    needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+    return TopKForwardGrads.apply(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s,
+                                  (call.ignore_index, call.temperature, call.logit_scale_s), reduction, chunk_bytes,
+                                  needs, TopKTrainingShards(call, shard, tokens_per_rank))
+
+
 def plan(call: distributed.FusedLinearCall, shard, xs: Tensor, tokens_sharded: bool) -> TrainingShards:
     """The training path's shards: chunks planned for the largest shard, so that every rank runs alike; in
     data parallelism (tokens_sharded) every rank's token count (an all-gather and a host read)."""

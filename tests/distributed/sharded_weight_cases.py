@@ -128,6 +128,44 @@ def data_parallel(rank: int, world: int) -> None:
             assert not path, f"{what}: upstream gradients that differ across ranks: no error"
 
 
+def data_parallel_topk(rank: int, world: int) -> None:
+    """Top-K (normalize="full") in FSDP2's layout: ws, bias_s DTensors Shard(0), each rank its own tokens and
+    teacher top-K, on both paths, against each rank's loss alone and the ranks' average of the weights'
+    gradients."""
+    from vocab_parallel_cases import _teacher
+
+    device, (dtype, tol) = _device(), _dtype_and_tolerance()
+    mesh = init_device_mesh(device, (world,))
+    _, _, ws, _, bias_s, *_ = _inputs(dtype, device=device)
+    tokens = []
+    for r in range(world):  # each rank's own tokens, of its own count
+        xs, _, _, _, _, _, labels, _ = _inputs(dtype, n=9 + 5 * r, seed=1 + r, device=device)
+        ids, logprobs = (t.to(device) for t in _teacher(xs.shape[0], 6, seed=20 + r))
+        tokens.append((xs, ids, logprobs.to(dtype), labels))
+    options = dict(normalize="full", temperature=1.5, reduction="mean")
+    for path in (False, True):
+        what = f"rank {rank}/{world} {device} data parallel topk grad_in_forward={path}"
+        w_grad, b_grad = torch.zeros_like(ws), torch.zeros_like(bias_s)
+        for r, (xs, ids, logprobs, labels) in enumerate(tokens):
+            x, w, b = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+            whole = nitrobrew.topk_kl(x, w, ids, logprobs, labels=labels, bias_s=b, **options)
+            whole.backward()
+            w_grad += w.grad / world
+            b_grad += b.grad / world
+            if r == rank:
+                expected_loss, expected_xs_grad = whole.detach(), x.grad
+        xs, ids, logprobs, labels = tokens[rank]
+        x = xs.clone().requires_grad_()
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        b_d = distribute_tensor(bias_s.clone(), mesh, [Shard(0)]).requires_grad_()
+        loss = nitrobrew.topk_kl(x, w_d, ids, logprobs, labels=labels, bias_s=b_d, grad_in_forward=path, **options)
+        loss.backward()
+        _close(loss.detach(), expected_loss, tol, f"{what}: loss")
+        _close(x.grad, expected_xs_grad, tol, f"{what}: xs.grad")
+        _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}: ws.grad")
+        _close(b_d.grad.full_tensor(), b_grad, tol, f"{what}: bias_s.grad")
+
+
 def fsdp2_tiny_llama(rank: int, world: int) -> None:
     """A tiny Hugging Face student under FSDP2 (its decoder and its lm_head units of their own: the
     decoder runs alone, and the lm_head's weight stays sharded), each rank with its own tokens: nitrobrew's

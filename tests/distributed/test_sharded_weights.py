@@ -30,6 +30,13 @@ def test_data_parallel(world):
     run_on_ranks(world, cases.data_parallel)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_topk(world):
+    import sharded_weight_cases as cases
+
+    run_on_ranks(world, cases.data_parallel_topk)
+
+
 def test_fsdp2_tiny_llama():
     pytest.importorskip("transformers")
     import sharded_weight_cases as cases

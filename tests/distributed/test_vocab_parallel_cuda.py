@@ -54,5 +54,11 @@ def test_topk_linear(world, backend, dtype):
 
 
 @pytest.mark.parametrize("world,backend", RUNS)
+def test_topk_linear_training_path(world, backend):
+    # grad_in_forward=True, normalize="full": products, the top-K passes and the shards' merge on the GPU.
+    run_on_ranks(world, cases.topk_linear, "float32", True, backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
 def test_topk_logits(world, backend):
     run_on_ranks(world, cases.topk_logits, "bfloat16", backend=backend)
