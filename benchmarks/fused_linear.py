@@ -113,6 +113,24 @@ method("nitrobrew_training_overlap_half")(_with_row_overlap("half"))
 method("nitrobrew_training_overlap_full")(_with_row_overlap("full"))
 
 
+def _with_product_rows(rows):
+    # The training path with steps of `rows` rows of products (PRODUCT_ROWS, 512): longer steps read the
+    # weights fewer times per token, at more memory for the step's float32 products and less for G's chunk.
+    def run(xs, xt, ws, wt, *, loss, reduction):
+        from nitrobrew import _forward_grads
+
+        previous, _forward_grads.PRODUCT_ROWS = _forward_grads.PRODUCT_ROWS, rows
+        try:
+            return _nitrobrew_path(xs, xt, ws, wt, loss=loss, reduction=reduction, grad_in_forward=True)
+        finally:
+            _forward_grads.PRODUCT_ROWS = previous
+    return run
+
+
+method("nitrobrew_training_steps_256")(_with_product_rows(256))
+method("nitrobrew_training_steps_1024")(_with_product_rows(1024))
+
+
 @method("nitrobrew_recompute")
 def _nitrobrew_recompute(xs, xt, ws, wt, *, loss, reduction):
     # The recompute path (per-row statistics saved, the logits recomputed in the backward: six products).
