@@ -124,9 +124,15 @@ def chunk_count(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_
     return math.ceil(max(n, 1) / chunk_plan(n, vocab, dtype, device_type, chunk_bytes).grad_rows)
 
 
+def _rounds_dws(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether G, and so a dws accumulated in G's dtype, is 16-bit there."""
+    return torch.finfo(grad_dtype(dtype, device_type)).bits <= 16
+
+
 def float32_dws(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> bool:
-    """Whether dws accumulates in float32 rather than in G's 16-bit dtype (see MAX_ROUNDED_CHUNKS)."""
-    return (torch.finfo(grad_dtype(dtype, device_type)).bits <= 16
+    """Whether dws accumulates in float32 rather than in G's 16-bit dtype (see MAX_ROUNDED_CHUNKS), for n
+    tokens of one rank."""
+    return (_rounds_dws(dtype, device_type)
             and chunk_count(n, vocab, dtype, device_type, chunk_bytes) > MAX_ROUNDED_CHUNKS)
 
 
@@ -202,7 +208,9 @@ def _scaled_gradients(ctx, grad_loss):
     ranged = grad_loss if unscale is None else grad_loss * unscale
     # Data parallelism: dws and dbias_s hold every rank's tokens' terms, averaged over the ranks as FSDP2
     # averages; the forward could not weight them by each rank's upstream gradient, so all must be alike.
-    weight_grad = grad_loss if ctx.group is None else _same_on_every_rank(grad_loss, ctx.group) / ctx.world
+    weight_grad = grad_loss
+    if ctx.group is not None and (dws is not None or dbias is not None):  # ws's requires_grad: alike on every rank
+        weight_grad = _same_on_every_rank(grad_loss, ctx.group) / ctx.world
     weight_ranged = weight_grad if unscale is None else weight_grad * unscale
     # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
     # a power of two: loss.backward()'s 1, or a loss scale).
@@ -217,7 +225,8 @@ def _same_on_every_rank(grad_loss: Tensor, group) -> Tensor:
     from nitrobrew import distributed
 
     every = distributed._all_gather(grad_loss.reshape(1), group)
-    if not bool((every == every[0]).all()):
+    alike = (every == every[0]) | (every.isnan() & every[0].isnan())  # a NaN passes on, as on the recompute path
+    if not bool(alike.all()):
         raise RuntimeError(
             "grad_in_forward=True over FSDP2's shards (each rank's own tokens) needs the same upstream gradient "
             f"on every rank: the shard's ws.grad sums every rank's tokens, formed in the forward; got "
@@ -367,25 +376,33 @@ def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, 
                            loss_dtype) for s0, s1 in spans]
     # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
     # over every token that could leave float16's range at that scale, takes it out at once through the
-    # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal).
-    range_scale = _float16_range_scale(torch.stack(weights).max()) if gdtype == torch.float16 else None
+    # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal). Set by
+    # the largest weight of the ranks' spans that hold an unmasked row (the others add nothing to G).
+    range_scale = None
+    if gdtype == torch.float16:
+        live = torch.stack([(labels[s0:s1] != ignore_index).any() if labels is not None
+                            else torch.tensor(s1 > s0, device=xs.device) for s0, s1 in spans])
+        largest = torch.where(live, torch.stack(weights), 0).max()
+        range_scale = _float16_range_scale(torch.where(largest > 0, largest, 1))
     unscale = None if range_scale is None else 1.0 / range_scale
+    # The chunks: none crosses a rank's tokens (data parallelism). No token: one empty chunk, zero gradients;
+    # a rank without tokens adds no chunk.
+    bounds = [(b0, min(s1, b0 + chunks.grad_rows), weight) for (s0, s1), weight in zip(spans, weights)
+              for b0 in range(s0, s1, chunks.grad_rows)] or [(0, 0, weights[0])]
     losses = []
     dxs = dws = dws_v = dbias = ws_v = None
     if need_dxs:
         ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
         dxs = xs.new_empty((n, xs.shape[1]), dtype=gdtype)
-    # dws in G's dtype, or where 16-bit dws would be rounded in more than MAX_ROUNDED_CHUNKS chunks, in float32.
-    wide_dws = need_dws and float32_dws(n, rows.plan_vocab, xs.dtype, xs.device.type, chunk_bytes)
+    # dws in G's dtype, or where 16-bit dws would be rounded in more than MAX_ROUNDED_CHUNKS chunks, in float32
+    # (the chunks are alike on every rank of a sharded loss, and so is this choice).
+    wide_dws = need_dws and _rounds_dws(xs.dtype, xs.device.type) and len(bounds) > MAX_ROUNDED_CHUNKS
     if need_dws:
         dws = ws.new_empty(ws.shape, dtype=torch.float32 if wide_dws else gdtype)
         dws[vocab:].zero_()  # padded rows past vocab_size get no gradient
         dws_v = dws[:vocab]
     if need_dbias:
         dbias = torch.zeros(ws.shape[0], dtype=loss_dtype, device=ws.device)
-    # No token: one empty chunk, zero gradients. A rank without tokens (data parallelism) adds no chunk.
-    bounds = [(b0, min(s1, b0 + chunks.grad_rows), weight) for (s0, s1), weight in zip(spans, weights)
-              for b0 in range(s0, s1, chunks.grad_rows)] or [(0, 0, weights[0])]
     for b0, b1, weight in bounds:
         first = b0 == bounds[0][0]
         xs_b = xs[b0:b1]

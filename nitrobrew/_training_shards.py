@@ -32,9 +32,10 @@ DEVICES = frozenset({"cpu", "cuda"})
 class TrainingShards:
     """A vocabulary-sharded loss's rows for the chunk loop (FusedLinearForwardGrads' `shards`)."""
 
-    def __init__(self, call: distributed.FusedLinearCall, shard, vocab_size: int, tokens_per_rank=None):
+    def __init__(self, call: distributed.FusedLinearCall, shard, vocab_size: int, tokens_per_rank, needs_dxs: bool):
         self.call, self.shard, self.vocab_size = call, shard, vocab_size
         self.tokens_per_rank = tokens_per_rank  # data parallelism: every rank's token count, else None
+        self.needs_dxs = needs_dxs  # whether dxs is formed (alike on every rank: its sum is a collective)
         self.real = max(0, min(vocab_size - shard.start, shard.rows))  # the shard's rows inside vocab_size
         self.options = call.op_options(self.real)[:-2]  # the product ops' (no vocab_size, chunk_v)
 
@@ -136,18 +137,30 @@ def topk_loss(xs: Tensor, ws: Tensor, bias_s, teacher_ids: Tensor, teacher_logpr
     from nitrobrew._forward_grads import TopKForwardGrads
 
     shard = distributed._shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
-    tokens_per_rank = distributed._tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
-    needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+    tokens_per_rank, needs_dxs = _token_layout(xs, group, tokens_sharded)
+    needs = (needs_dxs, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
     return TopKForwardGrads.apply(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s,
                                   (call.ignore_index, call.temperature, call.logit_scale_s), reduction, chunk_bytes,
                                   needs, TopKTrainingShards(call, shard, tokens_per_rank))
 
 
+def _token_layout(xs: Tensor, group, tokens_sharded: bool) -> tuple[tuple | None, bool]:
+    """In data parallelism (tokens_sharded): every rank's token count, and whether any rank's xs needs its
+    gradient (then every rank forms dxs, whose sum is a collective all must join); one all-gather and a host
+    read. Otherwise (None, xs.requires_grad): tensor parallelism's xs is the same on every rank."""
+    if not tokens_sharded:
+        return None, xs.requires_grad
+    mine = torch.tensor([xs.shape[0], int(xs.requires_grad)], dtype=torch.int64, device=xs.device)
+    every = distributed._all_gather(mine, group).reshape(-1, 2).tolist()
+    return tuple(count for count, _ in every), any(need for _, need in every)
+
+
 def plan(call: distributed.FusedLinearCall, shard, xs: Tensor, tokens_sharded: bool) -> TrainingShards:
     """The training path's shards: chunks planned for the largest shard, so that every rank runs alike; in
-    data parallelism (tokens_sharded) every rank's token count (an all-gather and a host read)."""
-    tokens_per_rank = distributed._tokens_per_rank(xs.shape[0], xs.device, shard.group) if tokens_sharded else None
-    return TrainingShards(call, shard, shard.total if call.vocab_size is None else call.vocab_size, tokens_per_rank)
+    data parallelism (tokens_sharded) every rank's token count."""
+    tokens_per_rank, needs_dxs = _token_layout(xs, shard.group, tokens_sharded)
+    vocab_size = shard.total if call.vocab_size is None else call.vocab_size
+    return TrainingShards(call, shard, vocab_size, tokens_per_rank, needs_dxs)
 
 
 def runs_on(device_type: str) -> bool:
@@ -160,6 +173,6 @@ def loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels, bias_s, bias_t,
     """The reduced loss on the training path over shards, its gradients formed in the forward."""
     from nitrobrew._forward_grads import FusedLinearForwardGrads
 
-    needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
+    needs = (shards.needs_dxs, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
     return FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                          needs, shards)

@@ -118,7 +118,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0)
         # Over vocabulary shards the training path runs when asked for (not yet measured against the
         # recompute path there; under FSDP2 it needs the same upstream gradient on every rank).
-        if train and grad_in_forward and _training_shards.runs_on(xs.device.type):
+        if train and grad_in_forward:
+            if not _training_shards.runs_on(xs.device.type):
+                raise NotImplementedError(f"grad_in_forward=True: the training path does not run over vocabulary "
+                                          f"shards on {xs.device.type}; grad_in_forward=None or False takes the "
+                                          f"recompute path")
             return _training_shards.topk_loss(xs.reshape(-1, xs.shape[-1]), ws, bias_s, teacher_ids.reshape(-1, k),
                                               teacher_logprobs.reshape(-1, k), flat_labels, call, process_group,
                                               tokens_sharded, reduction, chunk_bytes)

@@ -86,7 +86,11 @@ def data_parallel(rank: int, world: int) -> None:
     device, (dtype, tol) = _device(), _dtype_and_tolerance()
     mesh = init_device_mesh(device, (world,))
     _, _, ws, wt, bias_s, bias_t, *_ = _inputs(dtype, device=device)
-    tokens = [_inputs(dtype, n=11 + 6 * r, seed=1 + r, device=device) for r in range(world)]  # each rank's own
+    # Each rank's own tokens, of its own count; with 3 ranks rank 1 holds none, with 2 rank 1's are all masked.
+    tokens = [_inputs(dtype, n=0 if (world, r) == (3, 1) else 11 + 6 * r, seed=1 + r, device=device)
+              for r in range(world)]
+    if world == 2:
+        tokens[1][6].fill_(-100)
     cases = (("forward_kl", {"ce_weight": 0.5, "reduction": "mean"}),
              ("jsd", {"beta": 0.3, "bias_s": bias_s, "bias_t": bias_t, "reduction": "sum"}))
     for (divergence, options), path in itertools.product(cases, (False, True)):
@@ -126,6 +130,13 @@ def data_parallel(rank: int, world: int) -> None:
             assert path and "same upstream gradient on every rank" in str(error), f"{what}: {error}"
         else:
             assert not path, f"{what}: upstream gradients that differ across ranks: no error"
+        if path:  # the last rank's xs needs no gradient: the others' dxs still take their sum (no rank waits)
+            x = xs.clone().requires_grad_(rank != world - 1)
+            w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+            fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded).backward()
+            _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}, one rank's xs without gradient: ws.grad")
+            if rank != world - 1:
+                _close(x.grad, expected_xs_grad, tol, f"{what}, one rank's xs without gradient: xs.grad")
 
 
 def data_parallel_topk(rank: int, world: int) -> None:
@@ -164,6 +175,14 @@ def data_parallel_topk(rank: int, world: int) -> None:
         _close(x.grad, expected_xs_grad, tol, f"{what}: xs.grad")
         _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}: ws.grad")
         _close(b_d.grad.full_tensor(), b_grad, tol, f"{what}: bias_s.grad")
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        loss = nitrobrew.topk_kl(xs, w_d, ids, logprobs, labels=labels, grad_in_forward=path, **options)
+        try:  # each rank's loss scaled by its own factor: refused by the training path alone
+            (loss * (rank + 1)).backward()
+        except RuntimeError as error:
+            assert path and "same upstream gradient on every rank" in str(error), f"{what}: {error}"
+        else:
+            assert not path, f"{what}: upstream gradients that differ across ranks: no error"
 
 
 def fsdp2_tiny_llama(rank: int, world: int) -> None:
