@@ -145,14 +145,9 @@ def topk_loss(xs: Tensor, ws: Tensor, bias_s, teacher_ids: Tensor, teacher_logpr
 
 
 def _token_layout(xs: Tensor, group, tokens_sharded: bool) -> tuple[tuple | None, bool]:
-    """In data parallelism (tokens_sharded): every rank's token count, and whether any rank's xs needs its
-    gradient (then every rank forms dxs, whose sum is a collective all must join); one all-gather and a host
-    read. Otherwise (None, xs.requires_grad): tensor parallelism's xs is the same on every rank."""
-    if not tokens_sharded:
-        return None, xs.requires_grad
-    mine = torch.tensor([xs.shape[0], int(xs.requires_grad)], dtype=torch.int64, device=xs.device)
-    every = distributed._all_gather(mine, group).reshape(-1, 2).tolist()
-    return tuple(count for count, _ in every), any(need for _, need in every)
+    """(every rank's token count, whether dxs is formed) in data parallelism (distributed.token_layout);
+    (None, xs.requires_grad) in tensor parallelism, whose xs is the same on every rank."""
+    return distributed.token_layout(xs, group) if tokens_sharded else (None, xs.requires_grad)
 
 
 def plan(call: distributed.FusedLinearCall, shard, xs: Tensor, tokens_sharded: bool) -> TrainingShards:

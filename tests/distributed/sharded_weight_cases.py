@@ -130,13 +130,13 @@ def data_parallel(rank: int, world: int) -> None:
             assert path and "same upstream gradient on every rank" in str(error), f"{what}: {error}"
         else:
             assert not path, f"{what}: upstream gradients that differ across ranks: no error"
-        if path:  # the last rank's xs needs no gradient: the others' dxs still take their sum (no rank waits)
-            x = xs.clone().requires_grad_(rank != world - 1)
-            w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
-            fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded).backward()
-            _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}, one rank's xs without gradient: ws.grad")
-            if rank != world - 1:
-                _close(x.grad, expected_xs_grad, tol, f"{what}, one rank's xs without gradient: xs.grad")
+        # The last rank's xs needs no gradient: the others' xs.grad still take their sum (no rank waits).
+        x = xs.clone().requires_grad_(rank != world - 1)
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded).backward()
+        _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}, one rank's xs without gradient: ws.grad")
+        if rank != world - 1:
+            _close(x.grad, expected_xs_grad, tol, f"{what}, one rank's xs without gradient: xs.grad")
 
 
 def data_parallel_topk(rank: int, world: int) -> None:
