@@ -43,6 +43,14 @@ ProductRowsLaunch rows_launch(const at::Tensor& zs, const at::Tensor& zt, const 
   return l;
 }
 
+// The whole vocabulary's row statistics, as merge_shards returns them, on the products' device.
+void check_row_stats(const at::Tensor& row_stats, const DistillParams& p, const at::Tensor& zs) {
+  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats &&
+                  row_stats.device() == zs.device(),
+              "row_stats must be [N, ", int(kNumRowStats), "] on ", zs.device(), " as merge_shards returns it, got ",
+              row_stats.sizes());
+}
+
 at::Tensor product_partials_cuda(const at::Tensor& zs, const at::Tensor& zt, const c10::optional<at::Tensor>& labels,
                                  const c10::optional<at::Tensor>& bias_s, const c10::optional<at::Tensor>& bias_t,
                                  const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
@@ -57,10 +65,7 @@ at::Tensor product_partials_cuda(const at::Tensor& zs, const at::Tensor& zt, con
   ProductRowsLaunch l = rows_launch(zs, zt, labels, bias_s, bias_t, dtype, labels_c);
   if (row_stats.has_value()) {  // JSD's mixture sums from the whole vocabulary's statistics
     TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
-    TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&
-                    row_stats->device() == zs.device(),
-                "row_stats must be [N, ", int(kNumRowStats), "] on ", zs.device(), " as merge_shards returns it, got ",
-                row_stats->sizes());
+    check_row_stats(*row_stats, p, zs);
     const at::Tensor stats = row_stats->to(at::kFloat).contiguous();
     l.row_stats = stats.data_ptr<float>();
     return launch_product_mixture(l, p, dtype).unsqueeze(0);
@@ -82,10 +87,7 @@ at::Tensor product_grads_cuda(const at::Tensor& zs, const at::Tensor& zt, const 
   const c10::cuda::CUDAGuard guard(zs.device());
   at::Tensor labels_c;
   ProductRowsLaunch l = rows_launch(zs, zt, labels, bias_s, bias_t, dtype, labels_c);
-  TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats &&
-                  row_stats.device() == zs.device(),
-              "row_stats must be [N, ", int(kNumRowStats), "] on ", zs.device(), " as merge_shards returns it, got ",
-              row_stats.sizes());
+  check_row_stats(row_stats, p, zs);
   TORCH_CHECK(row_scale.dim() == 0 && row_scale.scalar_type() == at::kFloat && row_scale.device() == zs.device(),
               "row_scale must be a float32 scalar tensor on ", zs.device(), ", got ", row_scale.scalar_type(), " ",
               row_scale.sizes(), " on ", row_scale.device());
