@@ -35,6 +35,17 @@ def test_distill_trl(tmp_path):
     assert "held-out KL" in out
 
 
+@pytest.mark.parametrize("extra", [["--dtype", "float32"], ["--dtype", "bfloat16", "--loss", "jsd"]],
+                         ids=["float32", "bf16-jsd"])
+def test_remote_teacher(tmp_path, extra):
+    # A teacher process sends its hidden states over gloo; --check asserts the first step equals the
+    # single-process loss and gradients.
+    pytest.importorskip("transformers")
+    out = run_example("remote_teacher.py", "--check", *extra, tmp_path=tmp_path)
+    assert "check: the hidden states received, the loss and every gradient" in out and "bytes a token" in out
+    assert (tmp_path / "loss.csv").exists()
+
+
 def test_hf_step_benchmark_smoke(tmp_path):
     # benchmarks/hf_step.py's tiny CPU mode: both model pairs built, the losses checked against each other,
     # a step timed per method and T, the CSV written.
