@@ -62,3 +62,8 @@ def test_topk_linear_training_path(world, backend):
 @pytest.mark.parametrize("world,backend", RUNS)
 def test_topk_logits(world, backend):
     run_on_ranks(world, cases.topk_logits, "bfloat16", backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+def test_float64_is_refused_on_every_rank(world, backend):
+    run_on_ranks(world, cases.float64_on_cuda, backend=backend)

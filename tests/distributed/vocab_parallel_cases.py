@@ -375,6 +375,21 @@ def errors(rank: int, world: int) -> None:
             raise AssertionError(f"{name}: no error")
 
 
+def float64_on_cuda(rank: int, world: int) -> None:
+    """float64 inputs on CUDA over shards: a TypeError on every rank before any collective (a rank whose shard
+    holds no rows runs no kernel, and would otherwise wait for the ranks whose kernels refused them)."""
+    xs, xt, ws, wt, *_ = _inputs(torch.float64, device="cuda")
+    rows = _shard_rows(rank, world)
+    for path in (False, True):
+        try:
+            nitrobrew.forward_kl(xs.clone().requires_grad_(), xt, ws[rows], wt[rows], grad_in_forward=path,
+                                 process_group=dist.group.WORLD)
+        except TypeError as error:
+            assert "float64 inputs are supported on the CPU only" in str(error), error
+        else:
+            raise AssertionError(f"rank {rank} grad_in_forward={path}: float64 on CUDA: no error")
+
+
 def module(rank: int, world: int) -> None:
     """DistillationLoss(process_group=) is the function's loss."""
     xs, xt, ws, wt, _, _, labels, _ = _inputs(torch.float64)
