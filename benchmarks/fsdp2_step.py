@@ -35,16 +35,22 @@ COLUMNS = ["date", "device", "gpus", "torch", "method", "tokens_per_rank", "stat
            "peak_gib_max_over_ranks", "loss_mean_over_ranks", "round_medians_ms"]
 
 
-def loss_nitrobrew(student, teacher, ids):
+def loss_nitrobrew(student, teacher, ids, grad_in_forward=None):
     import nitrobrew
 
     h = student.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
     with torch.no_grad():
         h_t = teacher.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
-    return nitrobrew.forward_kl(h, h_t, student.lm_head.weight, teacher.lm_head.weight)
+    return nitrobrew.forward_kl(h, h_t, student.lm_head.weight, teacher.lm_head.weight,
+                                grad_in_forward=grad_in_forward)
 
 
-METHODS = {"nitrobrew": loss_nitrobrew, "logits": hf_step.loss_logits}
+def loss_nitrobrew_training(student, teacher, ids):
+    # The training path over FSDP2's token shards, asked for (the automatic choice keeps the recompute path).
+    return loss_nitrobrew(student, teacher, ids, grad_in_forward=True)
+
+
+METHODS = {"nitrobrew": loss_nitrobrew, "nitrobrew_training": loss_nitrobrew_training, "logits": hf_step.loss_logits}
 
 
 def sharded_student(args, device, mesh):

@@ -51,6 +51,10 @@ TORCH_LIBRARY(nitrobrew, m) {
   // dtype (float32; float64 for float64 inputs), the GEMM's only rounding, in rows with a stride of
   // vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py).
   m.def("products(Tensor x, Tensor w, int vocab_size) -> Tensor");
+  // acc [V, D] float32 = g^T . x + beta * acc, g [N, V] and x [N, D] of one dtype (unit-stride rows), the
+  // products accumulated in float32 and added to acc unrounded: how the training path accumulates dws over
+  // many chunks without rounding it to 16 bits at each (_forward_grads.py).
+  m.def("accumulate_grad(Tensor(a!) acc, Tensor g, Tensor x, float beta) -> ()");
 
   // The training path's stages over stored products, for vocabulary shards (nitrobrew/distributed.py), whose
   // rows are merged across ranks between them. zs, zt: [N, V_shard] products x . w^T (no bias) in the

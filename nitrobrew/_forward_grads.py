@@ -63,6 +63,11 @@ def _(zs, zt, labels, bias_s, bias_t, row_stats, row_scale, *options):
     return torch.empty_strided((n, vocab), (ld, 1), dtype=grad_dtype(options[-1], zs.device.type), device=zs.device)
 
 
+@torch.library.register_fake("nitrobrew::accumulate_grad")
+def _(acc, g, x, beta):
+    return None
+
+
 @torch.library.register_fake("nitrobrew::scaled")
 def _(x, factor):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -105,26 +110,30 @@ def wanted(choice: bool | None, reduction: str, differentiable: tuple, device_ty
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
 
 
-# The most chunks of G the automatic choice accepts where dws is accumulated in 16 bits (CUDA, bf16 or
-# fp16 inputs): each chunk after the first rounds dws once more. Simulated (bf16, docs/notes/
-# fused_linear_training_path.md): dws's error is 1.22x / 1.42x / 1.57x / 2.10x that of one rounding at 2 /
-# 3 / 4 / 8 chunks; with the recompute path's own error (1.4x one rounding) 4 chunks stay within ~1.3x of
-# it. Past that (Qwen's vocabulary, the default bound: ~18k tokens) the automatic choice takes the
-# recompute path; grad_in_forward=True still takes this one, and a larger grad_chunk_mib means fewer chunks.
-MAX_AUTOMATIC_CHUNKS = 4
+# The most chunks of G over which dws is accumulated in 16 bits (CUDA, bf16 or fp16 inputs): each chunk after
+# the first rounds dws once more. Simulated (bf16, docs/notes/fused_linear_training_path.md): dws's error is
+# 1.22x / 1.42x / 1.57x / 2.10x that of one rounding at 2 / 3 / 4 / 8 chunks; with the recompute path's own
+# error (1.4x one rounding) 4 chunks stay within ~1.3x of it (measured at 3: 1.23-1.33x). Past that (Qwen's
+# vocabulary, the default bound: ~18k tokens) dws accumulates in float32 (nitrobrew::accumulate_grad) and is
+# rounded once, in the backward: 2 more bytes per entry of ws, beyond grad_chunk_mib.
+MAX_ROUNDED_CHUNKS = 4
 
 
-def rounded_chunks(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
-    """How many times the training path rounds dws to 16 bits for n tokens (1 where it accumulates in float32)."""
-    if torch.finfo(grad_dtype(dtype, device_type)).bits > 16:
-        return 1
+def chunk_count(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> int:
+    """How many chunks of G the training path takes for n tokens."""
     return math.ceil(max(n, 1) / chunk_plan(n, vocab, dtype, device_type, chunk_bytes).grad_rows)
 
 
-def automatic_fits(choice: bool | None, n: int, vocab: int, dtype: torch.dtype, device_type: str,
-                   chunk_bytes: int) -> bool:
-    """False where the automatic choice (None) should keep the recompute path for dws's accuracy."""
-    return choice is not None or rounded_chunks(n, vocab, dtype, device_type, chunk_bytes) <= MAX_AUTOMATIC_CHUNKS
+def _rounds_dws(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether G, and so a dws accumulated in G's dtype, is 16-bit there."""
+    return torch.finfo(grad_dtype(dtype, device_type)).bits <= 16
+
+
+def float32_dws(n: int, vocab: int, dtype: torch.dtype, device_type: str, chunk_bytes: int) -> bool:
+    """Whether dws accumulates in float32 rather than in G's 16-bit dtype (see MAX_ROUNDED_CHUNKS), for n
+    tokens of one rank."""
+    return (_rounds_dws(dtype, device_type)
+            and chunk_count(n, vocab, dtype, device_type, chunk_bytes) > MAX_ROUNDED_CHUNKS)
 
 
 def chunk_budget_bytes(grad_chunk_mib) -> int:
@@ -197,15 +206,42 @@ def _scaled_gradients(ctx, grad_loss):
     xs_dtype, ws_dtype = ctx.dtypes
     # dxs and dbias_s come from G stored times float16's range scale; dws does not (see _forward_grads).
     ranged = grad_loss if unscale is None else grad_loss * unscale
+    # Data parallelism: dws and dbias_s hold every rank's tokens' terms, averaged over the ranks as FSDP2
+    # averages; the forward could not weight them by each rank's upstream gradient, so all must be alike.
+    weight_grad = grad_loss
+    if ctx.group is not None and (dws is not None or dbias is not None):  # ws's requires_grad: alike on every rank
+        weight_grad = _same_on_every_rank(grad_loss, ctx.group) / ctx.world
+    weight_ranged = weight_grad if unscale is None else weight_grad * unscale
     # Each gradient times its factor in float32, one rounding to its dtype (exact when the factor is
     # a power of two: loss.backward()'s 1, or a loss scale).
     return [None if t is None else ops.scaled(t, factor).to(dtype)
-            for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, grad_loss, ws_dtype), (dbias, ranged, ws_dtype))]
+            for t, factor, dtype in ((dxs, ranged, xs_dtype), (dws, weight_grad, ws_dtype),
+                                     (dbias, weight_ranged, ws_dtype))]
 
 
-def _save(ctx, xs, ws, saved):
+def _same_on_every_rank(grad_loss: Tensor, group) -> Tensor:
+    """grad_loss, after checking that every rank of `group` has the same (one all-gather of a scalar and a
+    host read: every rank raises alike)."""
+    from nitrobrew import distributed
+
+    every = distributed._all_gather(grad_loss.reshape(1), group)
+    alike = (every == every[0]) | (every.isnan() & every[0].isnan())  # a NaN passes on, as on the recompute path
+    if not bool(alike.all()):
+        raise RuntimeError(
+            "grad_in_forward=True over FSDP2's shards (each rank's own tokens) needs the same upstream gradient "
+            f"on every rank: the shard's ws.grad sums every rank's tokens, formed in the forward; got "
+            f"{every.flatten().tolist()}. Scale the loss alike on every rank, or pass grad_in_forward=False")
+    return grad_loss
+
+
+def _save(ctx, xs, ws, saved, group=None):
     ctx.save_for_backward(*saved)
     ctx.dtypes = (xs.dtype, ws.dtype)
+    ctx.group = group  # data parallelism's group (the ranks whose tokens dws sums), or None
+    if group is not None:
+        from nitrobrew import distributed
+
+        ctx.world = distributed._dist().get_world_size(group)
 
 
 class FusedLinearForwardGrads(torch.autograd.Function):
@@ -217,7 +253,8 @@ class FusedLinearForwardGrads(torch.autograd.Function):
                 needs: tuple, shards=None):
         # shards: a vocabulary shard per rank (nitrobrew/_training_shards.py), whose chunks merge their rows
         # over the group; else the whole vocabulary, one op per chunk.
-        if shards is not None:
+        if shards is not None:  # data parallelism: every rank's tokens, gathered
+            xs, xt, labels = shards.gather_tokens(xs, xt, labels)
             rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t)
         else:
             rows = _ChunkRows(options[-1], options[-1], None, lambda b0, b1, row_scale, product_rows: (
@@ -227,7 +264,7 @@ class FusedLinearForwardGrads(torch.autograd.Function):
         # must not round G or the hidden states again.
         with torch.autocast(xs.device.type, enabled=False):
             loss, saved = _forward_grads(xs, ws, labels, options[0], reduction, chunk_bytes, needs, rows)
-        _save(ctx, xs, ws, saved)
+        _save(ctx, xs, ws, saved, None if rows.owners is None else shards.shard.group)
         return loss
 
     @staticmethod
@@ -240,14 +277,19 @@ class TopKForwardGrads(torch.autograd.Function):
     """Top-K from hidden states (normalize="full") on the training path, as FusedLinearForwardGrads. A
     step's rows: the student's float32 products (nitrobrew::products), its lm_head bias and logit scale,
     then the logits family's top-K forward and backward (nitrobrew.logits.topk_kl's kernels) for their
-    losses and G."""
+    losses and G; over vocabulary shards (shards: _training_shards.TopKTrainingShards) the shards' row
+    states merged between the two."""
 
     @staticmethod
     def forward(ctx, xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, options: tuple, reduction: str,
-                chunk_bytes: int, needs: tuple):
+                chunk_bytes: int, needs: tuple, shards=None):
         ignore_index, temperature, logit_scale_s = options
+        if shards is not None:  # data parallelism: every rank's tokens, gathered
+            xs, teacher_ids, teacher_logprobs, labels = shards.gather_tokens(xs, teacher_ids, teacher_logprobs,
+                                                                             labels)
         vocab = ws.shape[0]
         bias = None if bias_s is None else bias_s.to(stats_dtype(xs.dtype))
+        step_rows = topk_step_rows if shards is None else shards.step_rows(teacher_ids, teacher_logprobs)
 
         def grad_chunk(b0, b1, row_scale, product_rows):
             n = b1 - b0
@@ -261,26 +303,35 @@ class TopKForwardGrads(torch.autograd.Function):
                     z.add_(bias)
                 if logit_scale_s != 1.0:
                     z.mul_(logit_scale_s)
-                rows = (z, teacher_ids[r0:r1], teacher_logprobs[r0:r1], None if labels is None else labels[r0:r1])
-                loss_r, stats = ops.topk_logits_fwd(*rows, ignore_index, temperature, False)
-                dz = ops.topk_logits_bwd(row_scale.expand(r1 - r0).contiguous(), *rows, stats, ignore_index,
-                                         temperature, False)
+                loss_r, dz = step_rows(z, teacher_ids[r0:r1], teacher_logprobs[r0:r1],
+                                       None if labels is None else labels[r0:r1], row_scale, r0, r1,
+                                       (ignore_index, temperature, False))
                 if logit_scale_s != 1.0:  # G is dLoss/d(products + bias), as the fused-linear op's
                     dz.mul_(logit_scale_s)
                 loss[r0 - b0:r1 - b0] = loss_r
                 grad[r0 - b0:r1 - b0] = dz
             return loss, grad
 
+        if shards is None:
+            rows = _ChunkRows(vocab, vocab, None, grad_chunk)
+        else:
+            rows = _ChunkRows(vocab, shards.plan_vocab, shards.sum_dxs, grad_chunk, shards.owners)
         with torch.autocast(xs.device.type, enabled=False):
-            loss, saved = _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs,
-                                         _ChunkRows(vocab, vocab, None, grad_chunk))
-        _save(ctx, xs, ws, saved)
+            loss, saved = _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, rows)
+        _save(ctx, xs, ws, saved, None if rows.owners is None else shards.group)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
-        return dxs, dws, None, None, None, dbias, None, None, None, None
+        return dxs, dws, None, None, None, dbias, None, None, None, None, None
+
+
+def topk_step_rows(z, ids, logprobs, labels, row_scale, r0, r1, options):
+    """A step's top-K losses and dLoss/dz (times row_scale) from its logits z over the whole vocabulary."""
+    loss, stats = ops.topk_logits_fwd(z, ids, logprobs, labels, *options)
+    return loss, ops.topk_logits_bwd(row_scale.expand(z.shape[0]).contiguous(), z, ids, logprobs, labels, stats,
+                                     *options)
 
 
 @dataclass(frozen=True)
@@ -288,56 +339,94 @@ class _ChunkRows:
     """What the chunk loop needs of a loss: grad_chunk(b0, b1, row_scale, product_rows) returns the losses
     of rows [b0, b1) and their G over the first `vocab` rows of ws (times row_scale, in _grad_dtype), from
     products of product_rows rows at a time; plan_vocab: the columns the chunks are planned for (alike on
-    every rank of a vocabulary-sharded loss); sum_dxs: sums dxs's terms over the shards in place, or None."""
+    every rank of a vocabulary-sharded loss); sum_dxs: dxs's terms summed over the shards (the tensor it
+    returns: all of dxs, or in data parallelism this rank's own rows), or None; owners: in data
+    parallelism, every rank's token count (the rows are every rank's tokens, in rank order) and this
+    rank's place, else None."""
 
     vocab: int
     plan_vocab: int
     sum_dxs: object
     grad_chunk: object
+    owners: tuple[tuple[int, ...], int] | None = None
+
+
+def _owner_spans(n: int, owners) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The rows of each rank's tokens, and this rank's: [(0, n)] and (0, n) without data parallelism."""
+    if owners is None:
+        return [(0, n)], (0, n)
+    counts, rank = owners
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    spans = list(zip(starts[:-1], starts[1:]))
+    return spans, spans[rank]
 
 
 def _forward_grads(xs, ws, labels, ignore_index, reduction, chunk_bytes, needs, rows: _ChunkRows):
     """The chunk loop over `rows` (_ChunkRows). Returns the reduced loss and what the backward scales:
-    (dxs, dws, dbias_s, float16's unscale or None)."""
+    (dxs, dws, dbias_s, float16's unscale or None). In data parallelism (rows.owners) each rank's tokens
+    are reduced alone: chunks do not cross ranks' tokens, each weighted by its rank's reduction, and the loss
+    and dxs are this rank's tokens'."""
     need_dxs, need_dws, need_dbias = needs
     n, vocab = xs.shape[0], rows.vocab
     gdtype = _grad_dtype(xs)
     loss_dtype = stats_dtype(xs.dtype)
     chunks = chunk_plan(n, rows.plan_vocab, xs.dtype, xs.device.type, chunk_bytes)
-    weight = _row_weight(n, reduction, labels, ignore_index, xs.device, loss_dtype)
+    spans, own = _owner_spans(n, rows.owners)
+    weights = [_row_weight(s1 - s0, reduction, None if labels is None else labels[s0:s1], ignore_index, xs.device,
+                           loss_dtype) for s0, s1 in spans]
     # float16: G is stored times `range_scale`. The backward takes it out of dxs and dbias_s; dws, a sum
     # over every token that could leave float16's range at that scale, takes it out at once through the
-    # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal).
-    range_scale = _float16_range_scale(weight) if gdtype == torch.float16 else None
-    row_scale = weight if range_scale is None else weight * range_scale
+    # hidden states, as the recompute path's g * xs does (a power of two: exact unless subnormal). Set by
+    # the largest weight of the ranks' spans that hold an unmasked row (the others add nothing to G).
+    range_scale = None
+    if gdtype == torch.float16:
+        live = torch.stack([(labels[s0:s1] != ignore_index).any() if labels is not None
+                            else torch.tensor(s1 > s0, device=xs.device) for s0, s1 in spans])
+        largest = torch.where(live, torch.stack(weights), 0).max()
+        range_scale = _float16_range_scale(torch.where(largest > 0, largest, 1))
     unscale = None if range_scale is None else 1.0 / range_scale
+    # The chunks: none crosses a rank's tokens (data parallelism). No token: one empty chunk, zero gradients;
+    # a rank without tokens adds no chunk.
+    bounds = [(b0, min(s1, b0 + chunks.grad_rows), weight) for (s0, s1), weight in zip(spans, weights)
+              for b0 in range(s0, s1, chunks.grad_rows)] or [(0, 0, weights[0])]
     losses = []
     dxs = dws = dws_v = dbias = ws_v = None
     if need_dxs:
         ws_v = ws[:vocab] if gdtype == ws.dtype else ws[:vocab].to(gdtype)
         dxs = xs.new_empty((n, xs.shape[1]), dtype=gdtype)
+    # dws in G's dtype, or where 16-bit dws would be rounded in more than MAX_ROUNDED_CHUNKS chunks, in float32
+    # (the chunks are alike on every rank of a sharded loss, and so is this choice).
+    wide_dws = need_dws and _rounds_dws(xs.dtype, xs.device.type) and len(bounds) > MAX_ROUNDED_CHUNKS
     if need_dws:
-        dws = ws.new_empty(ws.shape, dtype=gdtype)
+        dws = ws.new_empty(ws.shape, dtype=torch.float32 if wide_dws else gdtype)
         dws[vocab:].zero_()  # padded rows past vocab_size get no gradient
         dws_v = dws[:vocab]
     if need_dbias:
         dbias = torch.zeros(ws.shape[0], dtype=loss_dtype, device=ws.device)
-    for b0 in range(0, max(n, 1), chunks.grad_rows):  # no token: one empty chunk, zero gradients
-        b1 = min(n, b0 + chunks.grad_rows)
+    for b0, b1, weight in bounds:
+        first = b0 == bounds[0][0]
         xs_b = xs[b0:b1]
+        row_scale = weight if range_scale is None else weight * range_scale
         loss_b, grad_b = rows.grad_chunk(b0, b1, row_scale, chunks.product_rows)
         losses.append(loss_b)
         if need_dxs:
             torch.mm(grad_b, ws_v, out=dxs[b0:b1])
         if need_dws:  # the first chunk writes dws (beta 0 ignores what the buffer held), the rest add to it
-            x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
-            dws_v.addmm_(grad_b.t(), x, beta=0 if b0 == 0 else 1)
+            if wide_dws:  # float16's range scale comes out of the float32 sum below, not out of x
+                ops.accumulate_grad(dws_v, grad_b, xs_b.to(gdtype).contiguous(), 0.0 if first else 1.0)
+            else:
+                x = xs_b.to(gdtype) if unscale is None else ops.scaled(xs_b, unscale)
+                dws_v.addmm_(grad_b.t(), x, beta=0 if first else 1)
         if need_dbias:
             dbias[:vocab] += grad_b.sum(0, dtype=loss_dtype)
         del grad_b
+    if wide_dws and unscale is not None:
+        dws_v.mul_(unscale)  # a power of two, exact in float32
     if need_dxs and rows.sum_dxs is not None:
-        rows.sum_dxs(dxs)
-    loss = reduce_rows(torch.cat(losses) if len(losses) > 1 else losses[0], (n,), reduction, labels, ignore_index)
+        dxs = rows.sum_dxs(dxs)
+    losses = torch.cat(losses) if len(losses) > 1 else losses[0]
+    o0, o1 = own
+    loss = reduce_rows(losses[o0:o1], (o1 - o0,), reduction, None if labels is None else labels[o0:o1], ignore_index)
     # In G's dtype: the backward's product with the upstream gradient is their only rounding to the inputs'
     # dtype on the CPU; on CUDA, they are the inputs' dtype already (exact when that gradient is 1).
     return loss, (dxs, dws, dbias, unscale)

@@ -220,6 +220,8 @@ class _ShardLoss:
     token_inputs: tuple = ()
     summed_grads: tuple = ()
     shard_grads: tuple = ()
+    # Data parallelism: whether any rank needs the summed gradients (each rank then forms its terms).
+    summed_anywhere: bool = False
 
     def forward(self, inputs: tuple) -> tuple[Tensor, tuple]:
         """(the loss [N] of every token, the tensors backward needs). Checks that depend on the inputs'
@@ -261,9 +263,12 @@ class _VocabParallel(torch.autograd.Function):
         if tokens_per_rank is not None:  # every rank's tokens' upstream gradients
             grad_loss = _gather_tokens(grad_loss, tokens_per_rank, group)
         needs = ctx.needs_input_grad[3:]
-        grads = list(shard_loss.backward(saved_tensors(ctx), grad_loss.contiguous(), needs))
+        # The summed gradients wherever any rank needs them: their sum is a collective every rank joins.
+        forms = tuple(need or (i in shard_loss.summed_grads and shard_loss.summed_anywhere)
+                      for i, need in enumerate(needs))
+        grads = list(shard_loss.backward(saved_tensors(ctx), grad_loss.contiguous(), forms))
         for i in shard_loss.summed_grads:
-            if needs[i]:
+            if forms[i]:
                 grads[i] = _sum_tokens(grads[i], tokens_per_rank, group)
         if tokens_per_rank is not None:
             world = _dist().get_world_size(group)
@@ -303,8 +308,12 @@ def _sum_tokens(d: Tensor, tokens_per_rank, group) -> Tensor:
     return out[: tokens_per_rank[_dist().get_rank(group)]]
 
 
-def _tokens_per_rank(n: int, device, group) -> tuple:
-    return tuple(int(c) for c in _all_gather(torch.tensor([n], dtype=torch.int64, device=device), group).flatten())
+def token_layout(xs: Tensor, group) -> tuple[tuple, bool]:
+    """Data parallelism: every rank's token count, and whether any rank's xs needs its gradient (then every
+    rank forms its terms, whose sum is a collective all must join); one all-gather and a host read."""
+    mine = torch.tensor([xs.shape[0], int(xs.requires_grad)], dtype=torch.int64, device=xs.device)
+    every = _all_gather(mine, group).reshape(-1, 2).tolist()
+    return tuple(count for count, _ in every), any(need for _, need in every)
 
 
 def _empty_partials(x: Tensor) -> Tensor:
@@ -502,8 +511,11 @@ def fused_linear_shard_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labe
                             bias_s: Tensor | None, bias_t: Tensor | None, call: FusedLinearCall, shard: _Shard,
                             tokens_sharded: bool = False) -> Tensor:
     """fused_linear_loss on a layout fused_linear_layout gave: the recompute path's per-token losses [N]."""
-    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, shard.group) if tokens_sharded else None
-    return _VocabParallel.apply(_FusedLinearShard(call, shard), shard.group, tokens_per_rank,
+    shard_loss = _FusedLinearShard(call, shard)
+    tokens_per_rank = None
+    if tokens_sharded:
+        tokens_per_rank, shard_loss.summed_anywhere = token_layout(xs, shard.group)
+    return _VocabParallel.apply(shard_loss, shard.group, tokens_per_rank,
                                 xs, xt, ws, wt, bias_s, bias_t, labels)
 
 
@@ -520,8 +532,11 @@ def topk_loss(xs: Tensor, ws: Tensor, bias_s: Tensor | None, teacher_ids: Tensor
     """Per-token top-K losses [N] of 2-D xs over the vocabulary shards ws of `group`'s ranks (teacher ids
     global: their range is checked here, on the ids every rank holds alike)."""
     shard = _shard_layout(ws.shape[0], ws.shape[0], xs.device, group)
-    tokens_per_rank = _tokens_per_rank(xs.shape[0], xs.device, group) if tokens_sharded else None
-    return _VocabParallel.apply(_TopKLinearShard(call, shard), group, tokens_per_rank,
+    shard_loss = _TopKLinearShard(call, shard)
+    tokens_per_rank = None
+    if tokens_sharded:
+        tokens_per_rank, shard_loss.summed_anywhere = token_layout(xs, group)
+    return _VocabParallel.apply(shard_loss, group, tokens_per_rank,
                                 xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)
 
 

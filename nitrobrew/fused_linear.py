@@ -164,9 +164,6 @@ def _fused_linear_loss(
                              teacher_whole, reduction, train, grad_in_forward,
                              chunk_bytes)
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
-    n_tokens = xs.numel() // xs.shape[-1]
-    train = train and _forward_grads.automatic_fits(grad_in_forward, n_tokens, vocab_size, xs.dtype, xs.device.type,
-                                                    chunk_bytes)
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
         _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
 
@@ -192,18 +189,17 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
     # of them, and would wait in a collective for ranks that raised.
     if xs.device.type == "cuda" and xs.dtype == torch.float64:
         raise TypeError("float64 inputs are supported on the CPU only")
-    if train and not _training_shards.runs_on(xs.device.type, tokens_sharded):
+    if train and not _training_shards.runs_on(xs.device.type):
         if grad_in_forward:
-            where = "data-parallel (FSDP2) shards" if tokens_sharded else f"vocabulary shards on {xs.device.type}"
-            raise NotImplementedError(f"grad_in_forward=True: the training path does not run over {where} yet; "
-                                      f"grad_in_forward=None or False takes the recompute path")
+            raise NotImplementedError(f"grad_in_forward=True: the training path does not run over vocabulary shards "
+                                      f"on {xs.device.type}; grad_in_forward=None or False takes the recompute path")
         train = False
+    # Data parallelism (FSDP2: each rank's own tokens) takes the training path only when asked for: it needs
+    # the same upstream gradient on every rank, which the forward cannot know (docs/distributed.md).
+    train = train and (grad_in_forward is True or not tokens_sharded)
     shard, wt, bias_t = distributed.fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
-    shards = _training_shards.plan(call, shard, grad_in_forward, xs.shape[0], xs.dtype, xs.device.type,
-                                   chunk_bytes) if train else None
-    if shards is not None:
-        if call.ce_weight > 0:  # the cross-entropy reads the student's logit at each label (every rank alike)
-            _checks.ids_in_range(flat_labels, shards.vocab_size, "labels", call.ignore_index)
+    if train:
+        shards = _training_shards.plan(call, shard, xs, tokens_sharded)
         options = call.op_options(shards.real)[:-1]
         return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                      shards)
@@ -238,11 +234,11 @@ Args:
         recomputes the logits in the backward (six products, any per-token upstream gradient). The
         training path needs a scalar loss (reduction "sum" or "mean") and runs only where autograd records
         a graph for xs, ws or bias_s. Automatic: the training path wherever it can run (CPU and CUDA),
-        except under torch.compile, over vocabulary shards on CUDA or sharded by FSDP2 (vocabulary shards of
-        tensor parallelism take it on the CPU: docs/distributed.md), and where 16-bit dws would be rounded in more
-        than 4 chunks (long sequences: raise grad_chunk_mib, or pass True); it measured faster
-        (docs/performance.md) at up to grad_chunk_mib more memory. False keeps the recompute path's
-        smaller footprint.
+        except under torch.compile and over vocabulary shards sharded by FSDP2, where it needs the same
+        upstream gradient on every rank (pass True; tensor parallelism's take it: docs/distributed.md); it
+        measured faster (docs/performance.md) at up to grad_chunk_mib more memory, and past 4 chunks of
+        16-bit G (long sequences) 2 more bytes per entry of ws for dws accumulated in float32. False keeps
+        the recompute path's smaller footprint.
     grad_chunk_mib: the training path's working set bound in MiB (default 2048): a chunk's float32 logits
         and its dLoss/dz (at least one token's). Larger chunks read and write dws fewer times. The
         gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of

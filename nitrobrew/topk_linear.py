@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, _forward_grads, distributed
+from nitrobrew import _checks, _forward_grads, _training_shards, distributed
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
 from nitrobrew._registration import ops, register_recompute_op, row_outputs
@@ -63,6 +63,8 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
             float32 logits, three matrix products in all. None (automatic) takes it on CUDA, where it measured
             0.85-0.90x the recompute path's step, and keeps the recompute path on the CPU, where it measured as
             fast. normalize="topk" always takes the recompute path, which forms only the K logits a token needs.
+            Over vocabulary shards (process_group=, DTensor ws) it runs when asked for (True; under FSDP2 the
+            upstream gradient must be the same on every rank: docs/distributed.md).
         process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds a
             contiguous shard of ws (and bias_s), in rank order; xs and the teacher (whose ids stay global)
             are the same on every rank. Every rank gets the whole vocabulary's loss, xs.grad whole and
@@ -112,14 +114,18 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
                          'just the K logits a token needs, which no chunk of full logits can beat')
     train = normalize == "full" and _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type,
                                                           _forward_grads.TOPK_AUTOMATIC_DEVICES)
-    train = train and _forward_grads.automatic_fits(grad_in_forward, xs.numel() // xs.shape[-1], ws.shape[0],
-                                                    xs.dtype, xs.device.type, chunk_bytes)
     if process_group is not None:
-        if grad_in_forward and train:
-            raise NotImplementedError("grad_in_forward=True: the training path does not run over vocabulary shards "
-                                      "(process_group= or DTensor weights) yet; they take the recompute path "
-                                      "(grad_in_forward=None or False)")
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0)
+        # Over vocabulary shards the training path runs when asked for (not yet measured against the
+        # recompute path there; under FSDP2 it needs the same upstream gradient on every rank).
+        if train and grad_in_forward:
+            if not _training_shards.runs_on(xs.device.type):
+                raise NotImplementedError(f"grad_in_forward=True: the training path does not run over vocabulary "
+                                          f"shards on {xs.device.type}; grad_in_forward=None or False takes the "
+                                          f"recompute path")
+            return _training_shards.topk_loss(xs.reshape(-1, xs.shape[-1]), ws, bias_s, teacher_ids.reshape(-1, k),
+                                              teacher_logprobs.reshape(-1, k), flat_labels, call, process_group,
+                                              tokens_sharded, reduction, chunk_bytes)
         loss = distributed.topk_loss(xs.reshape(-1, xs.shape[-1]), ws, bias_s, teacher_ids.reshape(-1, k),
                                      teacher_logprobs.reshape(-1, k), flat_labels, call, process_group, tokens_sharded)
         return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)

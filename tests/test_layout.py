@@ -81,14 +81,14 @@ def _schema_names() -> list[str]:
 
 def test_every_op_has_a_cpu_kernel_a_fake_and_autograd():
     names = _schema_names()
-    assert len(names) == 19 and {n[:-4] for n in names if n.endswith("_fwd")} == {
+    assert len(names) == 20 and {n[:-4] for n in names if n.endswith("_fwd")} == {
         "fused_linear", "topk_linear", "logits", "topk_logits", "attention_kl"}
     # The vocabulary shards' forward-only ops (nitrobrew.distributed differentiates around them) and the
-    # training path's chunk step, products, stages over a shard's products and gradient scaling
-    # (nitrobrew._forward_grads differentiates around them).
+    # training path's chunk step, products, stages over a shard's products, float32 dws accumulation and
+    # gradient scaling (nitrobrew._forward_grads differentiates around them).
     assert set(names) - {n for n in names if n.endswith(("_fwd", "_bwd"))} == {
         "fused_linear_shard", "logits_shard", "merge_shards", "topk_merge_shards", "fused_linear_grad_chunk",
-        "products", "product_partials", "product_grads", "scaled"}
+        "products", "product_partials", "product_grads", "accumulate_grad", "scaled"}
     for name in names:
         op = f"nitrobrew::{name}"
         # topk_merge_shards is ATen math on [N, K] tensors: one kernel for every device.

@@ -195,6 +195,54 @@ int64_t slice_cols() {
 }
 
 template <typename T>
+dim3 row_grid(const ProductRowArgs<T>& a) {
+  const int64_t blocks = a.rows * a.slices;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many rows for one launch of the row kernels");
+  return dim3(static_cast<unsigned>(blocks));
+}
+
+MergeRowsArgs merge_args(int64_t rows, int64_t slices, const int64_t* labels, const DistillParams& p) {
+  return {rows, static_cast<int>(slices), labels, p.ignore_index,
+          RowFinish{p.kind == Divergence::kReverseKL, p.ce_weight, p.vocab_size}};
+}
+
+int merge_blocks(int64_t rows) { return static_cast<int>((rows + 255) / 256); }
+
+// Each slice's unfinished row state into a.partial.
+template <typename T>
+void launch_partials(const ProductRowArgs<T>& a, const DistillParams& p, cudaStream_t stream) {
+  if (p.kind == Divergence::kReverseKL) {
+    row_partials_kernel<T, true><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  } else {
+    row_partials_kernel<T, false><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_mixture(const ProductRowArgs<T>& a, cudaStream_t stream) {
+  row_mixture_kernel<T><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_grads(const ProductRowArgs<T>& a, cudaStream_t stream) {
+  row_grads_kernel<T><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+at::Tensor mixture_buffer(ProductRowArgs<T>& a, const at::TensorOptions& options) {
+  using mix_t = MixtureType<T, float>;
+  at::Tensor mixture =
+      at::empty({a.slices, a.rows, 2}, options.dtype(std::is_same_v<mix_t, double> ? at::kDouble : at::kFloat));
+  a.mixture = static_cast<mix_t*>(mixture.data_ptr());
+  return mixture;
+}
+
+// The single-device step: partials, their merge into the finished rows, (JSD) the mixture and its merge,
+// then the gradients.
+template <typename T>
 void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss) {
   using mix_t = MixtureType<T, float>;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -202,37 +250,50 @@ void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss) {
   const at::Tensor partial = at::empty({a.slices, a.rows, kNumPartialFields}, options.dtype(at::kFloat));
   const at::Tensor row_stats = at::empty({a.rows, kNumRowStats}, options.dtype(at::kFloat));
   const bool jsd = p.kind == Divergence::kJSD;
-  const at::Tensor mixture =
-      jsd ? at::empty({a.slices, a.rows, 2}, options.dtype(std::is_same_v<mix_t, double> ? at::kDouble : at::kFloat))
-          : at::Tensor();
+  const at::Tensor mixture = jsd ? mixture_buffer(a, options) : at::Tensor();
   a.partial = partial.data_ptr<float>();
   a.row_stats = row_stats.data_ptr<float>();
-  a.mixture = jsd ? static_cast<mix_t*>(mixture.data_ptr()) : nullptr;
-  const int64_t blocks = a.rows * a.slices;
-  TORCH_CHECK(blocks < (int64_t(1) << 31), "nitrobrew: too many rows for one launch of the row kernels");
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kProductRowThreads);
-  const int merge_blocks = static_cast<int>((a.rows + 255) / 256);
-  const MergeRowsArgs merge{a.rows, static_cast<int>(a.slices), a.labels, a.ignore_index,
-                            RowFinish{p.kind == Divergence::kReverseKL, p.ce_weight, p.vocab_size}};
+  const MergeRowsArgs merge = merge_args(a.rows, a.slices, a.labels, p);
   float* stats = row_stats.data_ptr<float>();
-  if (p.kind == Divergence::kReverseKL) {
-    row_partials_kernel<T, true><<<grid, block, 0, stream>>>(a);
-  } else {
-    row_partials_kernel<T, false><<<grid, block, 0, stream>>>(a);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  merge_rows_kernel<float, mix_t><<<merge_blocks, 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr, nullptr,
-                                                                    nullptr, loss, stats);
+  launch_partials(a, p, stream);
+  merge_rows_kernel<float, mix_t><<<merge_blocks(a.rows), 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr,
+                                                                            nullptr, nullptr, loss, stats);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (jsd) {
-    row_mixture_kernel<T><<<grid, block, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    merge_rows_kernel<float, mix_t><<<merge_blocks, 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr,
-                                                                      a.mixture, nullptr, loss, stats);
+    launch_mixture(a, stream);
+    merge_rows_kernel<float, mix_t><<<merge_blocks(a.rows), 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr,
+                                                                              a.mixture, nullptr, loss, stats);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  row_grads_kernel<T><<<grid, block, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_grads(a, stream);
+}
+
+template <typename T>
+ProductRowArgs<T> row_args(const ProductRowsLaunch& l, const DistillParams& p) {
+  ProductRowArgs<T> a;
+  a.partial = nullptr;  // the stages that write them set them
+  a.mixture = nullptr;
+  a.zs = l.zs;
+  a.zt = l.zt;
+  a.fs = {static_cast<const T*>(l.bias_s), static_cast<float>(p.logit_scale_s), static_cast<float>(p.softcap_s)};
+  a.ft = {static_cast<const T*>(l.bias_t), static_cast<float>(p.logit_scale_t), static_cast<float>(p.softcap_t)};
+  a.ld = l.ld;
+  a.rows = l.rows;
+  a.vocab = p.vocab_size;
+  // As few slices as slice_cols() allows, of equal widths (multiples of kProductAlign).
+  a.slices = std::max<int64_t>(1, (p.vocab_size + slice_cols() - 1) / slice_cols());
+  a.width = product_row_stride((p.vocab_size + a.slices - 1) / a.slices);
+  a.labels = l.labels;
+  a.ignore_index = p.ignore_index;
+  a.inv_t = static_cast<float>(p.inv_temperature);
+  a.ce_weight = static_cast<float>(p.ce_weight);
+  a.div = divergence_params<float>(p);
+  a.div_mix = divergence_params<MixtureType<T, float>>(p);
+  a.row_scale = l.row_scale;
+  a.row_stats = l.row_stats;
+  a.grad = static_cast<T*>(l.grad);
+  a.ld_grad = l.ld_grad;
+  return a;
 }
 
 }  // namespace
@@ -242,27 +303,49 @@ int64_t product_row_stride(int64_t vocab) { return (vocab + kProductAlign - 1) /
 void launch_product_rows(const ProductRowsLaunch& l, const DistillParams& p, at::ScalarType dtype) {
   if (l.rows == 0) return;
   NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_rows", {
-    ProductRowArgs<T> a;
-    a.zs = l.zs;
-    a.zt = l.zt;
-    a.fs = {static_cast<const T*>(l.bias_s), static_cast<float>(p.logit_scale_s), static_cast<float>(p.softcap_s)};
-    a.ft = {static_cast<const T*>(l.bias_t), static_cast<float>(p.logit_scale_t), static_cast<float>(p.softcap_t)};
-    a.ld = l.ld;
-    a.rows = l.rows;
-    a.vocab = p.vocab_size;
-    // As few slices as slice_cols() allows, of equal widths (multiples of kProductAlign).
-    a.slices = std::max<int64_t>(1, (p.vocab_size + slice_cols() - 1) / slice_cols());
-    a.width = product_row_stride((p.vocab_size + a.slices - 1) / a.slices);
-    a.labels = l.labels;
-    a.ignore_index = p.ignore_index;
-    a.inv_t = static_cast<float>(p.inv_temperature);
-    a.ce_weight = static_cast<float>(p.ce_weight);
-    a.div = divergence_params<float>(p);
-    a.div_mix = divergence_params<MixtureType<T, float>>(p);
-    a.row_scale = l.row_scale;
-    a.grad = static_cast<T*>(l.grad);
-    a.ld_grad = l.ld_grad;
+    ProductRowArgs<T> a = row_args<T>(l, p);
     launch_rows(a, p, l.loss);
+  });
+}
+
+void launch_product_partials(const ProductRowsLaunch& l, const DistillParams& p, at::ScalarType dtype,
+                             float* merged) {
+  if (l.rows == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto options = at::TensorOptions().device(at::kCUDA, c10::cuda::current_device());
+  NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_partials", {
+    using mix_t = MixtureType<T, float>;
+    ProductRowArgs<T> a = row_args<T>(l, p);
+    const at::Tensor partial = at::empty({a.slices, a.rows, kNumPartialFields}, options.dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+    launch_partials(a, p, stream);
+    // The slices merged in order into one unfinished state a row (no loss: merged, not finished).
+    merge_rows_kernel<float, mix_t><<<merge_blocks(a.rows), 256, 0, stream>>>(
+        merge_args(a.rows, a.slices, a.labels, p), a.div_mix, a.partial, nullptr, nullptr, merged, nullptr, nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor launch_product_mixture(const ProductRowsLaunch& l, const DistillParams& p, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().device(at::kCUDA, c10::cuda::current_device());
+  at::Tensor sums = at::zeros({l.rows, 2}, options.dtype(at::kDouble));
+  if (l.rows == 0) return sums;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_mixture", {
+    ProductRowArgs<T> a = row_args<T>(l, p);
+    const at::Tensor mixture = mixture_buffer(a, options);
+    mixture.zero_();  // masked rows' blocks write nothing: their sums are 0
+    launch_mixture(a, stream);
+    sums = mixture.sum(0).to(at::kDouble);  // the slices' sums (merge_shards adds the shards' in float64)
+  });
+  return sums;
+}
+
+void launch_product_grads(const ProductRowsLaunch& l, const DistillParams& p, at::ScalarType dtype) {
+  if (l.rows == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_grads", {
+    launch_grads(row_args<T>(l, p), stream);
   });
 }
 

@@ -27,8 +27,8 @@ def tensor_parallel(rank: int, world: int) -> None:
     device, (dtype, tol) = _device(), _dtype_and_tolerance()
     mesh = init_device_mesh(device, (world,))
     xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
-    # The CPU takes either path (the training path: the gradients formed in the forward).
-    paths = (False, True) if device == "cpu" else (False, None)
+    # Both paths (the training path: the gradients formed in the forward; automatic for training).
+    paths = (False, True)
     for (divergence, options), path in itertools.product(
             (("forward_kl", {"labels": labels, "ce_weight": 0.5}),
              ("jsd", {"beta": 0.3, "bias_s": bias_s, "bias_t": bias_t})), paths):
@@ -75,14 +75,114 @@ def layouts(rank: int, world: int) -> None:
             assert message in str(error), f"{name}: {error}"
         else:
             raise AssertionError(f"{name}: no error")
-    # Data parallelism (a plain xs, FSDP2's layout) has no training path yet: asked for, it says so.
-    try:
-        nitrobrew.forward_kl(xs.clone().requires_grad_(), xt, distribute_tensor(ws, mesh, [Shard(0)]),
-                             distribute_tensor(wt, mesh, [Shard(0)]), grad_in_forward=True)
-    except NotImplementedError as error:
-        assert "data-parallel (FSDP2) shards" in str(error), str(error)
-    else:
-        raise AssertionError("grad_in_forward=True over FSDP2 shards: no error")
+
+
+def data_parallel(rank: int, world: int) -> None:
+    """FSDP2's layout without a model: ws, wt, bias_s DTensors Shard(0), each rank its own tokens (of its own
+    count, some masked), on both paths. Every rank's loss and xs.grad are those of its own tokens' loss
+    over the whole vocabulary; ws.grad and bias_s.grad the ranks' average of their losses' gradients, as
+    FSDP2 averages. Then the training path refuses upstream gradients that differ across the ranks, on every
+    rank alike, where the recompute path takes them."""
+    device, (dtype, tol) = _device(), _dtype_and_tolerance()
+    mesh = init_device_mesh(device, (world,))
+    _, _, ws, wt, bias_s, bias_t, *_ = _inputs(dtype, device=device)
+    # Each rank's own tokens, of its own count; with 3 ranks rank 1 holds none, with 2 rank 1's are all masked.
+    tokens = [_inputs(dtype, n=0 if (world, r) == (3, 1) else 11 + 6 * r, seed=1 + r, device=device)
+              for r in range(world)]
+    if world == 2:
+        tokens[1][6].fill_(-100)
+    cases = (("forward_kl", {"ce_weight": 0.5, "reduction": "mean"}),
+             ("jsd", {"beta": 0.3, "bias_s": bias_s, "bias_t": bias_t, "reduction": "sum"}))
+    for (divergence, options), path in itertools.product(cases, (False, True)):
+        fn = getattr(nitrobrew, divergence)
+        what = f"rank {rank}/{world} {device} data parallel {divergence} grad_in_forward={path}"
+        # The expected: each rank's loss alone over the whole vocabulary; the weights' gradients averaged.
+        w_grad, b_grad = torch.zeros_like(ws), torch.zeros_like(bias_s)
+        for r, (xs, xt, _, _, _, _, labels, _) in enumerate(tokens):
+            x, w, b = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+            whole = fn(x, xt, w, wt, labels=labels, **dict(options, bias_s=b if "bias_s" in options else None))
+            whole.backward()
+            w_grad += w.grad / world
+            b_grad += b.grad / world if b.grad is not None else 0
+            if r == rank:
+                expected_loss, expected_xs_grad = whole.detach(), x.grad
+        xs, xt, _, _, _, _, labels, _ = tokens[rank]
+        x = xs.clone().requires_grad_()
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        sharded = dict(options, grad_in_forward=path)
+        if "bias_s" in options:
+            sharded["bias_s"] = distribute_tensor(bias_s.clone(), mesh, [Shard(0)]).requires_grad_()
+            sharded["bias_t"] = distribute_tensor(bias_t, mesh, [Shard(0)])
+        loss = fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded)
+        loss.backward()
+        _close(loss.detach(), expected_loss, tol, f"{what}: loss")
+        _close(x.grad, expected_xs_grad, tol, f"{what}: xs.grad")
+        _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}: ws.grad")
+        if "bias_s" in options:
+            _close(sharded["bias_s"].grad.full_tensor(), b_grad, tol, f"{what}: bias_s.grad")
+        # Each rank's loss scaled by its own factor: the training path cannot weight dws by it.
+        x = xs.clone().requires_grad_()
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        loss = fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded)
+        try:
+            (loss * (rank + 1)).backward()
+        except RuntimeError as error:
+            assert path and "same upstream gradient on every rank" in str(error), f"{what}: {error}"
+        else:
+            assert not path, f"{what}: upstream gradients that differ across ranks: no error"
+        # The last rank's xs needs no gradient: the others' xs.grad still take their sum (no rank waits).
+        x = xs.clone().requires_grad_(rank != world - 1)
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded).backward()
+        _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}, one rank's xs without gradient: ws.grad")
+        if rank != world - 1:
+            _close(x.grad, expected_xs_grad, tol, f"{what}, one rank's xs without gradient: xs.grad")
+
+
+def data_parallel_topk(rank: int, world: int) -> None:
+    """Top-K (normalize="full") in FSDP2's layout: ws, bias_s DTensors Shard(0), each rank its own tokens and
+    teacher top-K, on both paths, against each rank's loss alone and the ranks' average of the weights'
+    gradients."""
+    from vocab_parallel_cases import _teacher
+
+    device, (dtype, tol) = _device(), _dtype_and_tolerance()
+    mesh = init_device_mesh(device, (world,))
+    _, _, ws, _, bias_s, *_ = _inputs(dtype, device=device)
+    tokens = []
+    for r in range(world):  # each rank's own tokens, of its own count
+        xs, _, _, _, _, _, labels, _ = _inputs(dtype, n=9 + 5 * r, seed=1 + r, device=device)
+        ids, logprobs = (t.to(device) for t in _teacher(xs.shape[0], 6, seed=20 + r))
+        tokens.append((xs, ids, logprobs.to(dtype), labels))
+    options = dict(normalize="full", temperature=1.5, reduction="mean")
+    for path in (False, True):
+        what = f"rank {rank}/{world} {device} data parallel topk grad_in_forward={path}"
+        w_grad, b_grad = torch.zeros_like(ws), torch.zeros_like(bias_s)
+        for r, (xs, ids, logprobs, labels) in enumerate(tokens):
+            x, w, b = xs.clone().requires_grad_(), ws.clone().requires_grad_(), bias_s.clone().requires_grad_()
+            whole = nitrobrew.topk_kl(x, w, ids, logprobs, labels=labels, bias_s=b, **options)
+            whole.backward()
+            w_grad += w.grad / world
+            b_grad += b.grad / world
+            if r == rank:
+                expected_loss, expected_xs_grad = whole.detach(), x.grad
+        xs, ids, logprobs, labels = tokens[rank]
+        x = xs.clone().requires_grad_()
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        b_d = distribute_tensor(bias_s.clone(), mesh, [Shard(0)]).requires_grad_()
+        loss = nitrobrew.topk_kl(x, w_d, ids, logprobs, labels=labels, bias_s=b_d, grad_in_forward=path, **options)
+        loss.backward()
+        _close(loss.detach(), expected_loss, tol, f"{what}: loss")
+        _close(x.grad, expected_xs_grad, tol, f"{what}: xs.grad")
+        _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}: ws.grad")
+        _close(b_d.grad.full_tensor(), b_grad, tol, f"{what}: bias_s.grad")
+        w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
+        loss = nitrobrew.topk_kl(xs, w_d, ids, logprobs, labels=labels, grad_in_forward=path, **options)
+        try:  # each rank's loss scaled by its own factor: refused by the training path alone
+            (loss * (rank + 1)).backward()
+        except RuntimeError as error:
+            assert path and "same upstream gradient on every rank" in str(error), f"{what}: {error}"
+        else:
+            assert not path, f"{what}: upstream gradients that differ across ranks: no error"
 
 
 def fsdp2_tiny_llama(rank: int, world: int) -> None:
@@ -126,16 +226,17 @@ def fsdp2_tiny_llama(rank: int, world: int) -> None:
     expected = reference.logits(zs, zt, beta=0.0)
     expected.backward()
 
-    fused = shard(copy.deepcopy(base))
-    hs = fused.model(input_ids=input_ids).last_hidden_state[:, :-1]
-    assert isinstance(fused.lm_head.weight, DTensor)
-    loss = nitrobrew.forward_kl(hs, ht, fused.lm_head.weight, teacher.lm_head.weight)
-    loss.backward()
+    for path in (None, True):  # the automatic choice (the recompute path here) and the training path
+        fused = shard(copy.deepcopy(base))
+        hs = fused.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        assert isinstance(fused.lm_head.weight, DTensor)
+        loss = nitrobrew.forward_kl(hs, ht, fused.lm_head.weight, teacher.lm_head.weight, grad_in_forward=path)
+        loss.backward()
 
-    what = f"rank {rank}/{world} {device} FSDP2"
-    _close(loss.detach(), expected.detach(), 10 * tol, f"{what}: loss")
-    for (name, p_usual), (_, p_fused) in zip(usual.named_parameters(), fused.named_parameters()):
-        _close(p_fused.grad.to_local(), p_usual.grad.to_local(), 100 * tol, f"{what}: {name}.grad")
+        what = f"rank {rank}/{world} {device} FSDP2 grad_in_forward={path}"
+        _close(loss.detach(), expected.detach(), 10 * tol, f"{what}: loss")
+        for (name, p_usual), (_, p_fused) in zip(usual.named_parameters(), fused.named_parameters()):
+            _close(p_fused.grad.to_local(), p_usual.grad.to_local(), 100 * tol, f"{what}: {name}.grad")
 
 
 def hf_refuses_fsdp2(rank: int, world: int) -> None:
@@ -168,14 +269,19 @@ def fsdp2_bad_batch_is_skipped(rank: int, world: int) -> None:
     labels = torch.zeros(xs.shape[0], dtype=torch.int64, device=device)
     if rank == 1:
         labels[3] = 10_000
-    try:
-        nitrobrew.forward_kl(xs, xt, w_d, wt, labels=labels, ce_weight=1.0)
-    except IndexError as error:
-        assert "labels" in str(error), error
-    else:
-        raise AssertionError(f"rank {rank}: no error")
-    loss = nitrobrew.forward_kl(xs, xt, w_d, wt, labels=torch.zeros_like(labels), ce_weight=1.0)  # the next batch
-    assert torch.isfinite(loss)
+    for path in (False, True):  # the training path's check reads the gathered labels too
+        x = xs.clone().requires_grad_()
+        try:
+            nitrobrew.forward_kl(x, xt, w_d, wt, labels=labels, ce_weight=1.0, grad_in_forward=path)
+        except IndexError as error:
+            assert "labels" in str(error), error
+        else:
+            raise AssertionError(f"rank {rank} grad_in_forward={path}: no error")
+        # the next batch
+        loss = nitrobrew.forward_kl(x, xt, w_d, wt, labels=torch.zeros_like(labels), ce_weight=1.0,
+                                    grad_in_forward=path)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
 
 
 def process_group_and_dtensors_refused(rank: int, world: int) -> None:

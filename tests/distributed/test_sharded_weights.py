@@ -23,6 +23,20 @@ def test_unsupported_layouts_raise():
     run_on_ranks(2, cases.layouts)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel(world):
+    import sharded_weight_cases as cases
+
+    run_on_ranks(world, cases.data_parallel)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_topk(world):
+    import sharded_weight_cases as cases
+
+    run_on_ranks(world, cases.data_parallel_topk)
+
+
 def test_fsdp2_tiny_llama():
     pytest.importorskip("transformers")
     import sharded_weight_cases as cases

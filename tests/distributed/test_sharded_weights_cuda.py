@@ -30,6 +30,20 @@ def test_tensor_parallel_nccl(world):
 
 
 @pytest.mark.parametrize("world", WORLDS or [2])
+def test_data_parallel_nccl(world):
+    import sharded_weight_cases as cases
+
+    run_on_ranks(world, cases.data_parallel, backend="nccl")
+
+
+@pytest.mark.parametrize("world", WORLDS or [2])
+def test_data_parallel_topk_nccl(world):
+    import sharded_weight_cases as cases
+
+    run_on_ranks(world, cases.data_parallel_topk, backend="nccl")
+
+
+@pytest.mark.parametrize("world", WORLDS or [2])
 def test_fsdp2_tiny_llama_nccl(world):
     pytest.importorskip("transformers")
     import sharded_weight_cases as cases

@@ -42,6 +42,12 @@ def test_topk_linear(world):
     run_on_ranks(world, cases.topk_linear, "float64")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_topk_linear_training_path(world):
+    # grad_in_forward=True, normalize="full": the shards' top-K row states merged per step of the chunk loop.
+    run_on_ranks(world, cases.topk_linear, "float64", True)
+
+
 @pytest.mark.parametrize("world", [3])
 def test_topk_linear_float32(world):
     run_on_ranks(world, cases.topk_linear, "float32")

@@ -36,6 +36,13 @@ def test_fused_linear(world, backend, dtype):
 
 
 @pytest.mark.parametrize("world,backend", RUNS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_linear_training_path(world, backend, dtype):
+    # grad_in_forward=True over the shards: product_partials / product_grads on the GPU.
+    run_on_ranks(world, cases.fused_linear, dtype, True, backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
 def test_logits(world, backend):
     run_on_ranks(world, cases.logits, "bfloat16", backend=backend)
 
@@ -44,6 +51,12 @@ def test_logits(world, backend):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_topk_linear(world, backend, dtype):
     run_on_ranks(world, cases.topk_linear, dtype, backend=backend)
+
+
+@pytest.mark.parametrize("world,backend", RUNS)
+def test_topk_linear_training_path(world, backend):
+    # grad_in_forward=True, normalize="full": products, the top-K passes and the shards' merge on the GPU.
+    run_on_ranks(world, cases.topk_linear, "float32", True, backend=backend)
 
 
 @pytest.mark.parametrize("world,backend", RUNS)

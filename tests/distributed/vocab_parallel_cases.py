@@ -234,6 +234,7 @@ TOPK_CASES = [
     {"normalize": "topk", "labels": True, "bias": True, "reduction": "sum"},
     {"normalize": "full", "bias": True, "logit_scale_s": 1.7},
     {"normalize": "topk", "logit_scale_s": 0.6, "temperature": 2.0},
+    {"normalize": "full", "labels": True, "bias": True, "reduction": "sum", "temperature": 1.5},
 ]
 
 
@@ -248,12 +249,19 @@ def _teacher(n, k, seed):
     return ids, logprobs
 
 
-def topk_linear(rank: int, world: int, dtype_name: str) -> None:
+def topk_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool = False) -> None:
+    """Every case on the recompute path, or (grad_in_forward) on the training path where it runs (normalize
+    "full", a scalar loss; checked by the ops it ran), there in chunks of 8 tokens and steps of 3."""
+    if grad_in_forward:
+        from nitrobrew import _forward_grads
+
+        _forward_grads.chunk_plan = lambda *args: _forward_grads.Chunks(grad_rows=8, product_rows=3)
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
     for options in TOPK_CASES:
         options = dict(options)
+        training = grad_in_forward and options["normalize"] == "full" and options.get("reduction") != "none"
         xs, _, ws, _, bias_s, _, labels, upstream = _inputs(dtype, seed=3, device=device)
         ids, logprobs = (t.to(device) for t in _teacher(xs.shape[0], 6, seed=4))
         logprobs = logprobs.to(dtype)
@@ -264,14 +272,17 @@ def topk_linear(rank: int, world: int, dtype_name: str) -> None:
         what = f"rank {rank}/{world} {dtype_name} topk {options} bias={bias_s is not None}"
         try:
             results = []
-            for w, b, extra in ((ws, bias_s, {}), (ws[rows], None if bias_s is None else bias_s[rows],
-                                                  {"process_group": dist.group.WORLD})):
+            for w, b, extra in ((ws, bias_s, {"grad_in_forward": False}),
+                                (ws[rows], None if bias_s is None else bias_s[rows],
+                                 {"process_group": dist.group.WORLD, "grad_in_forward": training})):
                 leaves = [xs.clone().requires_grad_(), w.clone().requires_grad_()]
                 if b is not None:
                     leaves.append(b.clone().requires_grad_())
-                loss = nitrobrew.topk_kl(leaves[0], leaves[1], ids, logprobs, labels=labels,
-                                         bias_s=leaves[2] if b is not None else None, **options, **extra)
+                loss, ran = _ops_run(lambda: nitrobrew.topk_kl(leaves[0], leaves[1], ids, logprobs, labels=labels,
+                                                               bias_s=leaves[2] if b is not None else None,
+                                                               **options, **extra))
                 results.append((loss.detach(), torch.autograd.grad(loss, leaves, upstream)))
+            assert ("nitrobrew::products" in ran and "nitrobrew::topk_linear_fwd" not in ran) == training, ran
             (whole, d_whole), (shard, d_shard) = results
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard[0], d_whole[0], gtol, f"{what}: xs.grad")

@@ -53,40 +53,67 @@ def test_which_path_runs(device, case, expected):
         assert ops_run(lambda: nitrobrew.jsd(xs, xt, ws, wt, beta=0.4, **kw)) == {expected}
 
 
-def test_automatic_choice_counts_the_roundings_of_dws():
-    # Where dws is accumulated in 16 bits (CUDA, bf16 / fp16 inputs) the automatic choice takes the training
-    # path for at most MAX_AUTOMATIC_CHUNKS chunks of G; float32 accumulators (the CPU, float32 inputs) any.
+def test_dws_accumulates_in_float32_past_four_roundings():
+    # Where dws would be accumulated in 16 bits (CUDA, bf16 / fp16 inputs) over more than MAX_ROUNDED_CHUNKS
+    # chunks of G, it accumulates in float32 instead; the CPU's G and float32 inputs' are float32 already.
     fg = nitrobrew._forward_grads
     budget = fg.chunk_budget_bytes(None)
-    assert fg.rounded_chunks(8192, 152064, torch.bfloat16, "cuda", budget) == 2
-    assert fg.rounded_chunks(65536, 152064, torch.bfloat16, "cuda", budget) > fg.MAX_AUTOMATIC_CHUNKS
-    assert fg.rounded_chunks(65536, 152064, torch.bfloat16, "cpu", budget) == 1
-    assert fg.rounded_chunks(65536, 152064, torch.float32, "cuda", budget) == 1
-    assert not fg.automatic_fits(None, 65536, 152064, torch.float16, "cuda", budget)
-    assert fg.automatic_fits(True, 65536, 152064, torch.float16, "cuda", budget)
-    assert fg.automatic_fits(None, 65536, 152064, torch.bfloat16, "cuda", fg.chunk_budget_bytes(16384))
+    assert fg.chunk_count(8192, 152064, torch.bfloat16, "cuda", budget) == 2
+    assert not fg.float32_dws(8192, 152064, torch.bfloat16, "cuda", budget)
+    assert fg.chunk_count(65536, 152064, torch.bfloat16, "cuda", budget) > fg.MAX_ROUNDED_CHUNKS
+    assert fg.float32_dws(65536, 152064, torch.float16, "cuda", budget)
+    assert not fg.float32_dws(65536, 152064, torch.bfloat16, "cpu", budget)
+    assert not fg.float32_dws(65536, 152064, torch.float32, "cuda", budget)
+    assert not fg.float32_dws(65536, 152064, torch.bfloat16, "cuda", fg.chunk_budget_bytes(16384))
+
+
+def test_accumulate_grad_op():
+    # acc = g^T . x + beta * acc, in acc's float32 (CUDA: cuBLAS with a float32 C; tests/.._cuda below).
+    g, x = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    acc = torch.full((5, 3), float("nan"), dtype=torch.float64)
+    nitrobrew._registration.ops.accumulate_grad(acc, g, x, 0.0)  # beta 0 ignores what acc held
+    torch.testing.assert_close(acc, g.T @ x)
+    nitrobrew._registration.ops.accumulate_grad(acc, g, x, 1.0)
+    torch.testing.assert_close(acc, 2 * g.T @ x)
+    with pytest.raises(RuntimeError, match=r"acc must be \[V, D\], g \[N, V\] and x \[N, D\]"):
+        nitrobrew._registration.ops.accumulate_grad(acc, g, x[:, :2], 1.0)
 
 
 @CUDA
-def test_automatic_choice_keeps_the_recompute_path_past_four_roundings():
-    # bf16 tokens under a 1 MiB bound: 300 (2 chunks of G) take the training path, 1200 (5 chunks) not.
+def test_accumulate_grad_op_on_cuda():
+    for dtype in (torch.bfloat16, torch.float16):
+        g = torch.randn(300, 1001, device="cuda").to(dtype)[:, :999]  # G's padded row stride
+        x = torch.randn(300, 64, device="cuda").to(dtype)
+        acc = torch.full((999, 64), float("nan"), device="cuda")
+        ops = nitrobrew._registration.ops
+        ops.accumulate_grad(acc, g, x, 0.0)
+        ops.accumulate_grad(acc, g, x, 1.0)
+        expected = 2 * g.double().T @ x.double()
+        torch.testing.assert_close(acc.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dws_past_four_chunks_keeps_the_recompute_paths_accuracy(dtype):
+    # 16-bit tokens under a 1 MiB bound: 4000 tokens take 16 chunks of G, so dws accumulates in float32
+    # (nitrobrew::accumulate_grad) and is rounded once: its error stays within 1.5x the recompute path's.
+    # Rounded to 16 bits per chunk it would be ~2.5x one rounding (tools/profiling/dws_rounding.py).
     fg = nitrobrew._forward_grads
-    assert fg.rounded_chunks(300, 1001, torch.bfloat16, "cuda", 1 << 20) <= fg.MAX_AUTOMATIC_CHUNKS
-    assert fg.rounded_chunks(1200, 1001, torch.bfloat16, "cuda", 1 << 20) > fg.MAX_AUTOMATIC_CHUNKS
-    names = {}
-    for n in (300, 1200):
-        xs, xt, ws, wt, _ = make_problem(n=n, v=1001, d_s=64, d_t=48, dtype=torch.bfloat16, device="cuda")
-        names[n] = ops_run(lambda: nitrobrew.jsd(xs.requires_grad_(), xt, ws, wt, grad_chunk_mib=1))
-    assert names == {300: {CHUNK_OP}, 1200: {FORWARD_OP}}, names
-
-
-@CUDA
-def test_vocabulary_shards_on_cuda_ask_for_the_recompute_path():
-    # The training path's stages over a shard's products have CPU kernels only so far: asked for on CUDA,
-    # a clear error before any collective (the CPU runs it: tests/distributed/test_vocab_parallel.py).
-    xs, xt, ws, wt, labels = (t.cuda() for t in _problem("cpu"))
-    with pytest.raises(NotImplementedError, match="vocabulary shards on cuda"):
-        nitrobrew.forward_kl(xs.requires_grad_(), xt, ws, wt, process_group=object(), grad_in_forward=True)
+    assert fg.chunk_count(4000, 1001, dtype, "cuda", 1 << 20) >= 16 and fg.float32_dws(4000, 1001, dtype, "cuda", 1 << 20)
+    xs, xt, ws, wt, labels = make_problem(n=4000, v=1001, d_s=64, d_t=48, dtype=dtype, device="cuda")
+    x64, xt64, w64, wt64 = (t.double().cpu() for t in (xs, xt, ws, wt))  # the bf16 inputs, widened
+    w64.requires_grad_()
+    exact = torch.autograd.grad(nitrobrew.reference.fused_linear(x64, xt64, w64, wt64, beta=0.4, labels=labels.cpu()),
+                                w64)[0]
+    errors = {}
+    for path, kw in (("training", dict(grad_in_forward=True, grad_chunk_mib=1)),
+                     ("recompute", dict(grad_in_forward=False))):
+        w = ws.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            (dws,) = torch.autograd.grad(nitrobrew.jsd(xs, xt, w, wt, beta=0.4, labels=labels, **kw), w)
+        assert ("nitrobrew::accumulate_grad" in {e.name for e in prof.events()}) == (path == "training")
+        errors[path] = ((dws.double().cpu() - exact).norm() / exact.norm()).item()
+    assert errors["training"] <= 1.5 * errors["recompute"], errors
 
 
 def test_bad_options_are_clear_errors():

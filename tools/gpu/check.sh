@@ -23,6 +23,7 @@
 #                HF_METHODS, HF_TOKENS)
 #   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
 #   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
+#   test_distributed  the distributed tests' CUDA cases (on one GPU: NCCL over 1 rank, gloo over 2 to 4 sharing it)
 #   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
 #   memcheck_multi_gpu  the NCCL cases of the CUDA distributed tests under compute-sanitizer memcheck, every rank
@@ -120,6 +121,7 @@ for step in $steps; do
     fsdp2_step) gpus=$(nvidia-smi -L | wc -l)
                 run fsdp2_step python3 benchmarks/fsdp2_step.py --gpus $(printf '%s\n' 2 "$gpus" | sort -nu) \
                   --out "$OUT/fsdp2_step_${gpus}gpu.csv" ;;
+    test_distributed) run test_distributed python3 -m pytest tests/distributed -q -k cuda -p no:cacheprovider ;;
     test_multi_gpu) run test_multi_gpu env NCCL_DEBUG=WARN NITROBREW_RANK_WATCHDOG_S=${NITROBREW_RANK_WATCHDOG_S:-240} \
                       python3 -m pytest tests/distributed -v -p no:cacheprovider ;;
     # NCCL's communicator setup probes kernels of other GPUs (cudaErrorNoKernelImageForDevice, which it handles):
