@@ -46,6 +46,17 @@ def test_remote_teacher(tmp_path, extra):
     assert (tmp_path / "loss.csv").exists()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_offline_topk(tmp_path, dtype):
+    # Pass 1 writes safetensors shards of the teacher's top-K, pass 2 trains from them; --check asserts the
+    # loss from a shard equals the live teacher's.
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    out = run_example("offline_topk.py", "--check", "--logprob-dtype", dtype, tmp_path=tmp_path)
+    assert "check: the loss from the shard" in out and "bytes a real token on disk" in out
+    assert len(list(tmp_path.glob("shard_*.safetensors"))) == 3 and (tmp_path / "loss.csv").exists()
+
+
 def test_hf_step_benchmark_smoke(tmp_path):
     # benchmarks/hf_step.py's tiny CPU mode: both model pairs built, the losses checked against each other,
     # a step timed per method and T, the CSV written.
