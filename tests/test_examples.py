@@ -75,6 +75,22 @@ def test_hf_step_benchmark_smoke(tmp_path):
     assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
 
 
+def test_topk_logprobs_benchmark_smoke(tmp_path):
+    # benchmarks/topk_logprobs.py on the CPU: the gemm floor and every method at two K, 2 rounds.
+    import csv
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "topk_logprobs.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "topk_logprobs.py"), "--device", "cpu",
+                             "--shape", "40,300,32", "--topk", "4", "9", "--dtype", "float32", "--rounds", "2",
+                             "--repeats", "1", "--warmup", "0", "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 1 + 2 * 4 and all(row["status"] == "ok" for row in rows), rows
+    assert all(len(row["round_medians_ms"].split()) == 2 and float(row["ratio_to_gemm"]) > 0 for row in rows), rows
+
+
 def test_topk_linear_benchmark_smoke(tmp_path):
     # benchmarks/topk_linear.py on the CPU: the gemm floor and both methods measured once per round over 2
     # rounds, every ratio taken to the floor of its mode; a bad --rounds is a usage error.
