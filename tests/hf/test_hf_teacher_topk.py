@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nitrobrew
-from test_hf import V, batch, tiny
+from test_hf import V, batch, halving_its_logits, tiny
 
 pytest.importorskip("transformers")
 
@@ -63,15 +63,7 @@ def test_runs_without_gradients_and_checks_the_transform():
     lp, ids = nitrobrew.hf.teacher_topk(teacher, input_ids, 4)
     assert not lp.requires_grad and all(p.grad is None for p in teacher.parameters())
     assert lp.isfinite().all()
-    other = tiny("llama", hidden=32, seed=8)
-    original = type(other).forward
-
-    def forward(self, *args, **kwargs):  # a family that halves its logits without saying so in its config
-        out = original(self, *args, **kwargs)
-        out.logits = out.logits / 2
-        return out
-
-    other.forward = forward.__get__(other)
+    other = halving_its_logits(tiny("llama", hidden=32, seed=8))
     with pytest.raises(ValueError, match="does not know yet"):
         nitrobrew.hf.teacher_topk(other, input_ids, 4)
     nitrobrew.hf.teacher_topk(other, input_ids, 4, check=False)  # the caller's word
