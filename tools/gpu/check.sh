@@ -29,6 +29,7 @@
 #   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
 #   memcheck_multi_gpu  the NCCL cases of the CUDA distributed tests under compute-sanitizer memcheck, every rank
+# Several runs at once (tests and sanitizers side by side on one GPU): tools/gpu/parallel.sh.
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families; SANITIZE_K to the cases pytest -k picks.
 set -uo pipefail
