@@ -109,8 +109,10 @@ def shard_loss(student, shard: dict) -> torch.Tensor:
     h = student.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
     labels = nitrobrew.hf.scored_labels(ids, mask)
     u = nitrobrew.hf.unembedding(student)
+    # The teacher's log-probabilities were stored at the recipe's temperature; topk_kl's divides the student's.
     return nitrobrew.topk_kl(h, u.weight, shard["topk_ids"].long(), shard["topk_logprobs"].float(), labels=labels,
-                             bias_s=u.bias, logit_scale_s=u.scale)
+                             bias_s=u.bias, logit_scale_s=u.scale,
+                             temperature=float(shard["metadata"]["temperature"]))
 
 
 def check_round_trip(teacher, student, shard: dict, dtype: torch.dtype, temperature: float) -> str:

@@ -13,10 +13,10 @@ from torch import Tensor
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._registration import ops
 
-# The chunk's working set: the float32 logits, the int64 sort keys and the entropy's temporaries (16 bytes a
-# logit), at most this many bytes.
+# The chunk's working set: the float32 logits, the int64 sort keys and the temporaries of the entropy and the
+# keys (29 bytes a logit at the peak, measured on the CPU), at most this many bytes.
 CHUNK_BYTES = 256 << 20
-_BYTES_PER_LOGIT = 16
+_BYTES_PER_LOGIT = 32
 _LOW32 = 0xFFFFFFFF
 
 
@@ -48,7 +48,8 @@ def _chunk(x: Tensor, w: Tensor, k: int, bias, inv_t: float, softcap, logit_scal
     centered = s - lse[:, None]
     entropy = -torch.where(s > float("-inf"), centered.exp() * centered, 0.0).sum(dim=1)
     del centered
-    keys = torch.topk(_order_keys(torch.where(finite_or_neg_inf, s, 0.0)), k, dim=1).values
+    # + 0.0 turns -0.0 into +0.0: the two are equal logits, a tie, but their bits order them.
+    keys = torch.topk(_order_keys(torch.where(finite_or_neg_inf, s, 0.0) + 0.0), k, dim=1).values
     ids = _LOW32 - (keys & _LOW32)
     logprobs = s.gather(1, ids) - lse[:, None]
     first_ids = torch.arange(k, device=x.device, dtype=torch.int64).expand_as(ids)

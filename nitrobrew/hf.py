@@ -154,11 +154,13 @@ def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
 
 def scored_labels(input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
                   ignore_index: int = -100) -> Tensor:
-    """[B, T - 1] int64 labels of the shifted positions that distillation_loss scores: position n's target
-    is token n + 1 (labels[:, n + 1] if labels are given), or ignore_index where it is not scored
-    (labels[:, n + 1] == ignore_index, or attention_mask[:, n + 1] == 0). Pass them as `labels=` to
-    nitrobrew.topk_kl with the teacher's top-K from teacher_topk to score the same positions."""
+    """[B, T - 1] int64 labels of the shifted positions that distillation_loss scores: with `labels`,
+    labels[:, 1:] (ignore_index where not scored; attention_mask is not read); else token n + 1, or
+    ignore_index where attention_mask[:, n + 1] == 0. Pass them as `labels=` to nitrobrew.topk_kl with the
+    teacher's top-K from teacher_topk to score the same positions."""
     _checks.tensor(input_ids, "input_ids")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
     if attention_mask is not None:
         _checks.tensor(attention_mask, "attention_mask")
     return _scored_positions(input_ids, attention_mask, labels, _checks.ignore_index(ignore_index))

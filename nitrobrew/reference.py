@@ -207,9 +207,9 @@ def topk_logprobs(x: Tensor, w: Tensor, k: int, *, temperature: float = 1.0, bia
                   logit_scale: float = 1.0, softcap: float | None = None, vocab_size: int | None = None,
                   dtype: torch.dtype | None = torch.float64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What nitrobrew.topk_logprobs(..., return_stats=True) computes, from the materialized logits:
-    (logprobs, ids, logsumexp, entropy), ids sorted by log-probability with ties to the lower id (a stable
-    sort); rows with a NaN or +inf logit, or none above -inf, NaN with ids 0..k-1."""
+    (logprobs, ids, logsumexp, entropy), ids sorted by logit with ties to the lower id (a stable sort); rows with a NaN or +inf logit, or none above -inf, NaN with ids 0..k-1."""
     vocab_size = w.shape[0] if vocab_size is None else vocab_size
+    bias = None if bias is None else bias.to(w.dtype)  # the op takes the bias in the weight's dtype
     if dtype is not None:
         x, w = x.to(dtype), w.to(dtype)
         bias = None if bias is None else bias.to(dtype)
@@ -220,9 +220,10 @@ def topk_logprobs(x: Tensor, w: Tensor, k: int, *, temperature: float = 1.0, bia
     lse = torch.logsumexp(s, dim=-1)
     logp = s - lse[..., None]
     entropy = -torch.where(s > -math.inf, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
-    ordered, ids = torch.sort(torch.where(undefined[..., None], 0.0, logp), dim=-1, descending=True, stable=True)
+    # Ordered by the logits (not their rounded log-probabilities), ties to the lower id; -0.0 == +0.0.
+    _, ids = torch.sort(torch.where(undefined[..., None], 0.0, s) + 0.0, dim=-1, descending=True, stable=True)
     ids = torch.where(undefined[..., None], torch.arange(k, device=ids.device), ids[..., :k])
-    return (_nan_where(undefined[..., None], ordered[..., :k]), ids, _nan_where(undefined, lse),
+    return (_nan_where(undefined[..., None], logp.gather(-1, ids)), ids, _nan_where(undefined, lse),
             _nan_where(undefined, entropy))
 
 

@@ -67,7 +67,8 @@ def topk_logprobs(x: Tensor, w: Tensor, k: int, *, temperature: float = 1.0, bia
         chunk_V: vocabulary tile width of the CPU walk (None = automatic).
 
     Returns (logprobs, ids), or (logprobs, ids, logsumexp, entropy) with return_stats: logprobs [..., k]
-    float32 (float64 for float64 inputs), sorted descending, ties to the lower id; ids [..., k] int64;
+    float32 (float64 for float64 inputs, which run on the CPU only), sorted descending, equal logits ordered
+    by the lower id; ids [..., k] int64;
     logsumexp and entropy [...]. These are what nitrobrew.topk_kl takes as teacher_logprobs and teacher_ids.
     A row with a NaN or +inf logit, or with every logit -inf, has no distribution: its log-probabilities and
     statistics are NaN and its ids 0..k-1. No gradients flow (the teacher's side).

@@ -75,6 +75,30 @@ def test_hf_step_benchmark_smoke(tmp_path):
     assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
 
 
+def test_offline_topk_trains_at_the_stored_temperature(tmp_path):
+    # With K = V a shard holds the teacher's whole distribution: the example's pass-2 loss is then
+    # distillation_loss's forward KL at the temperature pass 1 stored (the student's logits divided by it too).
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import importlib.util
+
+    import torch
+
+    import nitrobrew
+
+    spec = importlib.util.spec_from_file_location("offline_topk", ROOT / "examples" / "offline_topk.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    size = dict(example.sizes(False), batches=1)
+    teacher, student = example.llama(size["vocab"], *size["teacher"], seed=0), example.llama(size["vocab"],
+                                                                                            *size["student"], seed=1)
+    (path,) = example.write_shards(teacher, size, tmp_path, size["vocab"], torch.float32, 2.0, "cpu", quiet=True)
+    shard = example.read_shard(path, "cpu")
+    ids, mask = shard["input_ids"].long(), shard["attention_mask"].long()
+    expected = nitrobrew.hf.distillation_loss(student, teacher, ids, attention_mask=mask, temperature=2.0)
+    torch.testing.assert_close(example.shard_loss(student, shard), expected, rtol=1e-4, atol=1e-6)
+
+
 def test_topk_logprobs_benchmark_smoke(tmp_path):
     # benchmarks/topk_logprobs.py on the CPU: the gemm floor and every method at two K, 2 rounds.
     import csv

@@ -1,7 +1,8 @@
 // CPU implementation of topk_logprobs: one walk over vocabulary tiles of the logits
 // softcap(logit_scale * (x . w^T + bias)) / temperature, formed by ATen's BLAS a tile at a time, with
 // each row's running top-K (a heap of K candidates) and online log-sum-exp and entropy sums. Memory
-// beyond the outputs: one [row_tile, vocab_tile] tile and w's tile in the accumulation dtype.
+// beyond the outputs: the heaps (N * k candidates of 16 bytes, float32), x in the accumulation dtype (a
+// copy for 16-bit inputs), one [row_tile, vocab_tile] tile and w's tile in the accumulation dtype.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -36,10 +37,13 @@ bool better(const Candidate<T>& a, const Candidate<T>& b) {
 }
 
 // One row's state through the walk: the log-sum-exp as (max m, sum of exp(s - m)), the entropy's
-// sum of exp(s - m) * (s - m), and the K best candidates so far.
+// sum of exp(s - m) * (s - m), and the K best candidates so far. The sums run in double: a float32 sum
+// of a whole vocabulary's terms, one at a time, rounds one way once it dwarfs them (the log-normalizer
+// 5e-4 low at V = 262144).
 template <typename T>
 struct RowState {
-  T max = kNegInf<T>, sum = T(0), centered = T(0);
+  T max = kNegInf<T>;
+  double sum = 0.0, centered = 0.0;
   bool undefined = false;  // a NaN or +inf logit: the row's outputs are NaN
   int64_t kept = 0;
 
@@ -50,18 +54,18 @@ struct RowState {
     }
     if (s > max) {  // a new maximum: rescale the sums to it (s - max is 0 for s itself)
       if (max == kNegInf<T>) {
-        sum = T(1);
-        centered = T(0);
+        sum = 1.0;
+        centered = 0.0;
       } else {
-        const T shift = max - s, scale = std::exp(shift);
+        const double shift = static_cast<double>(max) - static_cast<double>(s), scale = std::exp(shift);
         centered = scale * (centered + shift * sum);
-        sum = scale * sum + T(1);
+        sum = scale * sum + 1.0;
       }
       max = s;
     } else if (s != kNegInf<T>) {  // -inf: probability 0, no term
       const T d = s - max, e = std::exp(d);
-      sum += e;
-      centered += e * d;
+      sum += static_cast<double>(e);
+      centered += static_cast<double>(e) * static_cast<double>(d);
     }
     // Ids arrive in increasing order, so a candidate equal to the worst kept one loses the tie.
     const Candidate<T> c{s, id};
@@ -135,13 +139,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logprobs_walk(const at::Tens
       }
       Candidate<acc_t>* heap = heaps.data() + r * k;
       std::sort_heap(heap, heap + k, better<acc_t>);  // best first
-      const acc_t log_sum = std::log(state.sum), lse = state.max + log_sum;
+      const double log_sum = std::log(state.sum), lse = static_cast<double>(state.max) + log_sum;
       for (int64_t j = 0; j < k; ++j) {
-        lp[r * k + j] = heap[j].value - lse;
+        lp[r * k + j] = static_cast<acc_t>(static_cast<double>(heap[j].value) - lse);
         id[r * k + j] = heap[j].id;
       }
-      st[r * kNumTopKLogprobsStats + kLogNormalizer] = lse;
-      st[r * kNumTopKLogprobsStats + kEntropy] = log_sum - state.centered / state.sum;
+      st[r * kNumTopKLogprobsStats + kLogNormalizer] = static_cast<acc_t>(lse);
+      st[r * kNumTopKLogprobsStats + kEntropy] = static_cast<acc_t>(log_sum - state.centered / state.sum);
     }
   });
   return {logprobs, ids, stats};

@@ -116,6 +116,22 @@ def test_ties_go_to_the_lower_id(implementation, dtype):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_minus_zero_ties_with_plus_zero(implementation):
+    # 0 * (-1) is -0.0: equal to +0.0, so the lower id comes first whatever the sign bits.
+    x, w = torch.zeros(2, 1), torch.tensor([[-1.0], [1.0], [-2.0]])
+    bias = torch.tensor([0.0, -0.0, 0.0])
+    lp, ids = IMPLEMENTATIONS[implementation](x, w, 3, bias=bias)
+    assert torch.equal(ids, torch.tensor([[0, 1, 2], [0, 1, 2]]))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_large_vocabulary_keeps_the_normalizer_accurate(implementation):
+    # 262144 terms summed for the log-normalizer (Gemma's vocabulary): float32 running sums would drift.
+    x, w = problem(4, 262144, 32, scale=3.0, seed=2)
+    check(x, w, 8, implementation=IMPLEMENTATIONS[implementation], atol=2e-5 * 15)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_16_bit_inputs(implementation):
     for dtype in (torch.bfloat16, torch.float16):
         x, w = problem(29, 517, 32, dtype=dtype, scale=2.0, seed=3)
