@@ -51,6 +51,16 @@ TORCH_LIBRARY(nitrobrew, m) {
   // dtype (float32; float64 for float64 inputs), the GEMM's only rounding, in rows with a stride of
   // vocab_size rounded up to 8. The top-K training path's logits (_forward_grads.py).
   m.def("products(Tensor x, Tensor w, int vocab_size) -> Tensor");
+
+  // The teacher's side of top-K distillation (topk_logprobs/): the k most likely tokens of each row of the
+  // logits softcap(logit_scale * (x . w[:vocab_size]^T + bias)) / temperature, in one walk over the
+  // vocabulary. Returns (logprobs [N, k] over the whole vocabulary, sorted descending with ties to the lower
+  // id; ids [N, k] int64; stats [N, 2]: the log-normalizer and the entropy), float32 (float64 for float64
+  // inputs). A row with a NaN or +inf logit, or none above -inf, gets NaN log-probabilities and statistics
+  // and ids 0..k-1. No gradients.
+  m.def(
+      "topk_logprobs(Tensor x, Tensor w, int k, Tensor? bias, float temperature, float? softcap, "
+      "float logit_scale, int vocab_size, int chunk_v) -> (Tensor, Tensor, Tensor)");
   // acc [V, D] float32 = g^T . x + beta * acc, g [N, V] and x [N, D] of one dtype (unit-stride rows), the
   // products accumulated in float32 and added to acc unrounded: how the training path accumulates dws over
   // many chunks without rounding it to 16 bits at each (_forward_grads.py).

@@ -26,9 +26,10 @@ from torch import Tensor
 from nitrobrew import _checks, distributed
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.hf_attention import CapturedAttention, attention_distillation_loss, capture_attention
+from nitrobrew.topk_logprobs import topk_logprobs
 
-__all__ = ["Unembedding", "unembedding", "distillation_loss", "capture_attention", "attention_distillation_loss",
-           "CapturedAttention"]
+__all__ = ["Unembedding", "unembedding", "distillation_loss", "teacher_topk", "scored_labels", "capture_attention",
+           "attention_distillation_loss", "CapturedAttention"]
 
 LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -151,6 +152,18 @@ def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
     _CHECKED[inner] = True
 
 
+def scored_labels(input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+                  ignore_index: int = -100) -> Tensor:
+    """[B, T - 1] int64 labels of the shifted positions that distillation_loss scores: position n's target
+    is token n + 1 (labels[:, n + 1] if labels are given), or ignore_index where it is not scored
+    (labels[:, n + 1] == ignore_index, or attention_mask[:, n + 1] == 0). Pass them as `labels=` to
+    nitrobrew.topk_kl with the teacher's top-K from teacher_topk to score the same positions."""
+    _checks.tensor(input_ids, "input_ids")
+    if attention_mask is not None:
+        _checks.tensor(attention_mask, "attention_mask")
+    return _scored_positions(input_ids, attention_mask, labels, _checks.ignore_index(ignore_index))
+
+
 def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor:
     """[B, T - 1] int64 labels of the shifted positions: position n's target is token n + 1, or
     ignore_index where it is not scored."""
@@ -213,3 +226,34 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
         return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
     fn = forward_kl if loss == "forward_kl" else reverse_kl
     return fn(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), **options)
+
+
+def teacher_topk(teacher, input_ids: Tensor, k: int, *, attention_mask: Tensor | None = None,
+                 temperature: float = 1.0, vocab_size: int | None = None, check: bool = True,
+                 return_stats: bool = False):
+    """A Hugging Face causal LM's top-K log-probabilities at every position that distillation_loss scores,
+    without its [B, T, V] logits: the decoder runs without its lm_head under torch.no_grad(), and
+    nitrobrew.topk_logprobs walks the vocabulary with the model's own transform (lm_head bias, logit scale,
+    soft-cap; checked once against the model's logits when `check`).
+
+    Returns (logprobs, ids), each [B, T - 1, k] (float32 and int64), aligned with the shifted positions:
+    entry n is the teacher's distribution of token n + 1 given tokens 0..n, what nitrobrew.topk_kl takes as
+    teacher_logprobs and teacher_ids for the student's hidden states [:, :-1]. Positions that are not scored
+    (scored_labels(input_ids, attention_mask) gives ignore_index there) are computed all the same; pass those
+    labels to topk_kl to skip them. With return_stats also each position's log-normalizer and entropy
+    [B, T - 1]. temperature divides the teacher's logits; vocab_size: the real vocabulary when the lm_head
+    has padding rows."""
+    _checks.tensor(input_ids, "input_ids")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2 (a position and its next token), "
+                         f"got {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    u = unembedding(teacher)
+    if check:
+        _check_against_own_logits(teacher, u, input_ids)
+    with torch.no_grad():
+        h = _final_hidden_states(teacher, input_ids, attention_mask)[:, :-1]
+        return topk_logprobs(h, u.weight.to(h.dtype), k, temperature=temperature, bias=u.bias, logit_scale=u.scale,
+                             softcap=u.softcap, vocab_size=vocab_size, return_stats=return_stats)

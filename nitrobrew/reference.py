@@ -203,6 +203,29 @@ def topk_linear(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: T
     return topk_logits(zs, teacher_ids, teacher_logprobs.to(xs.dtype), dtype=None, **options)
 
 
+def topk_logprobs(x: Tensor, w: Tensor, k: int, *, temperature: float = 1.0, bias: Tensor | None = None,
+                  logit_scale: float = 1.0, softcap: float | None = None, vocab_size: int | None = None,
+                  dtype: torch.dtype | None = torch.float64) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What nitrobrew.topk_logprobs(..., return_stats=True) computes, from the materialized logits:
+    (logprobs, ids, logsumexp, entropy), ids sorted by log-probability with ties to the lower id (a stable
+    sort); rows with a NaN or +inf logit, or none above -inf, NaN with ids 0..k-1."""
+    vocab_size = w.shape[0] if vocab_size is None else vocab_size
+    if dtype is not None:
+        x, w = x.to(dtype), w.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    w = w[:vocab_size]
+    s = model_logits(x, w, bias=None if bias is None else bias[:vocab_size], logit_scale=logit_scale,
+                     softcap=softcap) / temperature
+    undefined = (s.isnan() | (s == math.inf)).any(-1) | (s == -math.inf).all(-1)
+    lse = torch.logsumexp(s, dim=-1)
+    logp = s - lse[..., None]
+    entropy = -torch.where(s > -math.inf, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+    ordered, ids = torch.sort(torch.where(undefined[..., None], 0.0, logp), dim=-1, descending=True, stable=True)
+    ids = torch.where(undefined[..., None], torch.arange(k, device=ids.device), ids[..., :k])
+    return (_nan_where(undefined[..., None], ordered[..., :k]), ids, _nan_where(undefined, lse),
+            _nan_where(undefined, entropy))
+
+
 def visible_keys(batch: int, n_queries: int, n_keys: int, *, causal: bool, attention_mask: Tensor | None,
                  device=None) -> Tensor:
     """[B, N_q, N_k] bool: which keys each query row sees (bottom-right causal alignment, as

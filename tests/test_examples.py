@@ -46,6 +46,17 @@ def test_remote_teacher(tmp_path, extra):
     assert (tmp_path / "loss.csv").exists()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_offline_topk(tmp_path, dtype):
+    # Pass 1 writes safetensors shards of the teacher's top-K, pass 2 trains from them; --check asserts the
+    # loss from a shard equals the live teacher's.
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    out = run_example("offline_topk.py", "--check", "--logprob-dtype", dtype, tmp_path=tmp_path)
+    assert "check: the loss from the shard" in out and "bytes a real token on disk" in out
+    assert len(list(tmp_path.glob("shard_*.safetensors"))) == 3 and (tmp_path / "loss.csv").exists()
+
+
 def test_hf_step_benchmark_smoke(tmp_path):
     # benchmarks/hf_step.py's tiny CPU mode: both model pairs built, the losses checked against each other,
     # a step timed per method and T, the CSV written.
@@ -62,6 +73,22 @@ def test_hf_step_benchmark_smoke(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = out.read_text().splitlines()
     assert len(rows) == 1 + 2 * 2 and all(",ok," in row for row in rows[1:]), rows
+
+
+def test_topk_logprobs_benchmark_smoke(tmp_path):
+    # benchmarks/topk_logprobs.py on the CPU: the gemm floor and every method at two K, 2 rounds.
+    import csv
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "topk_logprobs.csv"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "topk_logprobs.py"), "--device", "cpu",
+                             "--shape", "40,300,32", "--topk", "4", "9", "--dtype", "float32", "--rounds", "2",
+                             "--repeats", "1", "--warmup", "0", "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 1 + 2 * 4 and all(row["status"] == "ok" for row in rows), rows
+    assert all(len(row["round_medians_ms"].split()) == 2 and float(row["ratio_to_gemm"]) > 0 for row in rows), rows
 
 
 def test_topk_linear_benchmark_smoke(tmp_path):

@@ -14,7 +14,7 @@ import nitrobrew  # noqa: F401  (registers the operators)
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-FAMILIES = ("fused_linear", "topk_linear", "logits", "attention_kl")
+FAMILIES = ("fused_linear", "topk_linear", "logits", "attention_kl", "topk_logprobs")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -81,14 +81,15 @@ def _schema_names() -> list[str]:
 
 def test_every_op_has_a_cpu_kernel_a_fake_and_autograd():
     names = _schema_names()
-    assert len(names) == 20 and {n[:-4] for n in names if n.endswith("_fwd")} == {
+    assert len(names) == 21 and {n[:-4] for n in names if n.endswith("_fwd")} == {
         "fused_linear", "topk_linear", "logits", "topk_logits", "attention_kl"}
     # The vocabulary shards' forward-only ops (nitrobrew.distributed differentiates around them) and the
     # training path's chunk step, products, stages over a shard's products, float32 dws accumulation and
-    # gradient scaling (nitrobrew._forward_grads differentiates around them).
+    # gradient scaling (nitrobrew._forward_grads differentiates around them); the teacher's top-K, which has
+    # no gradient.
     assert set(names) - {n for n in names if n.endswith(("_fwd", "_bwd"))} == {
         "fused_linear_shard", "logits_shard", "merge_shards", "topk_merge_shards", "fused_linear_grad_chunk",
-        "products", "product_partials", "product_grads", "accumulate_grad", "scaled"}
+        "products", "product_partials", "product_grads", "accumulate_grad", "scaled", "topk_logprobs"}
     for name in names:
         op = f"nitrobrew::{name}"
         # topk_merge_shards is ATen math on [N, K] tensors: one kernel for every device.

@@ -196,16 +196,21 @@ def test_pairs_of_different_families(student_family, teacher_family):
     assert_same(ours, theirs)
 
 
-def test_an_unknown_logit_transform_is_caught_by_the_check():
-    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=32, seed=8)
-    original = type(teacher).forward
+def halving_its_logits(model):
+    """`model`, now a family that halves its logits without saying so in its config."""
+    original = type(model).forward
 
-    def forward(self, *args, **kwargs):  # a family that halves its logits without saying so in its config
+    def forward(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         out.logits = out.logits / 2
         return out
 
-    teacher.forward = forward.__get__(teacher)
+    model.forward = forward.__get__(model)
+    return model
+
+
+def test_an_unknown_logit_transform_is_caught_by_the_check():
+    student, teacher = tiny("llama", hidden=32), halving_its_logits(tiny("llama", hidden=32, seed=8))
     with pytest.raises(ValueError, match="does not know yet"):
         nitrobrew.hf.distillation_loss(student, teacher, batch()[0])
 

@@ -17,6 +17,8 @@
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
 #   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
+#   bench_topk_logprobs  the teacher's top-K (nitrobrew.topk_logprobs) against cuBLAS's one product and naive
+#                PyTorch, N 8192 and 32768, Qwen and Llama-3 teachers, K 8-256 (benchmarks/topk_logprobs.py)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama",
@@ -106,6 +108,8 @@ for step in $steps; do
                   ${ACC_CHUNK_MIB:+--grad-chunk-mib "$ACC_CHUNK_MIB"} --out "$OUT/accuracy_fused_linear.csv"
               done ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
+    bench_topk_logprobs) run bench_topk_logprobs python3 benchmarks/topk_logprobs.py --device cuda \
+                           --out "$OUT/topk_logprobs_cuda.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
     bench_model_options) run bench_model_options python3 benchmarks/fused_linear.py --device cuda --rounds 3 \

@@ -1,0 +1,81 @@
+"""topk_logprobs on CUDA for now: token chunks of float32 logits (the `products` op: cuBLAS with a float32
+output), then ATen's top-K, log-sum-exp and entropy over each chunk. Memory: one chunk of
+CHUNK_BYTES (256 MiB), never the whole [N, V]. The fused walk (running top-K in the products' epilogue) is
+the kernel that replaces it (issue 43); this path is its correctness baseline, and it runs on any device, so
+the CPU tests hold it to the float64 reference too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from nitrobrew._extension import kernel_device_types
+from nitrobrew._registration import ops
+
+# The chunk's working set: the float32 logits, the int64 sort keys and the entropy's temporaries (16 bytes a
+# logit), at most this many bytes.
+CHUNK_BYTES = 256 << 20
+_BYTES_PER_LOGIT = 16
+_LOW32 = 0xFFFFFFFF
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_BYTES // (_BYTES_PER_LOGIT * vocab_size))
+
+
+def _order_keys(s: Tensor) -> Tensor:
+    """int64 keys that order a chunk's float32 logits as the output does: larger value first, ties to the
+    lower id (the id in the low 32 bits, complemented). NaN rows are replaced before the caller reads them."""
+    bits = s.view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float's value, as a signed int32
+    ids = torch.arange(s.shape[1], device=s.device, dtype=torch.int64)
+    return (ordered.to(torch.int64) << 32) | (_LOW32 - ids)
+
+
+def _chunk(x: Tensor, w: Tensor, k: int, bias, inv_t: float, softcap, logit_scale: float, vocab: int):
+    s = ops.products(x, w, vocab)  # [rows, vocab] float32, the GEMM's only rounding
+    if bias is not None:
+        s.add_(bias[:vocab].to(s.dtype))
+    if logit_scale != 1.0:
+        s.mul_(logit_scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap).mul_(softcap)
+    s.mul_(inv_t)
+    lse = torch.logsumexp(s, dim=1)
+    finite_or_neg_inf = torch.isfinite(s) | (s == float("-inf"))
+    undefined = ~finite_or_neg_inf.all(dim=1) | (lse == float("-inf"))
+    centered = s - lse[:, None]
+    entropy = -torch.where(s > float("-inf"), centered.exp() * centered, 0.0).sum(dim=1)
+    del centered
+    keys = torch.topk(_order_keys(torch.where(finite_or_neg_inf, s, 0.0)), k, dim=1).values
+    ids = _LOW32 - (keys & _LOW32)
+    logprobs = s.gather(1, ids) - lse[:, None]
+    first_ids = torch.arange(k, device=x.device, dtype=torch.int64).expand_as(ids)
+    ids = torch.where(undefined[:, None], first_ids, ids)
+    nan = torch.full_like(lse, float("nan"))
+    logprobs = torch.where(undefined[:, None], nan[:, None], logprobs)
+    stats = torch.stack([torch.where(undefined, nan, lse), torch.where(undefined, nan, entropy)], dim=1)
+    return logprobs, ids, stats
+
+
+def topk_logprobs_chunked(x: Tensor, w: Tensor, k: int, bias, temperature: float, softcap, logit_scale: float,
+                          vocab_size: int, chunk_v: int = 0, rows: int | None = None):
+    """nitrobrew::topk_logprobs's outputs (registration.cpp) for float32, bfloat16 and float16 x and w."""
+    if x.dtype == torch.float64:
+        raise TypeError(f"float64 inputs are supported on the CPU only, got them on {x.device}")
+    n = x.shape[0]
+    rows = rows or chunk_rows(vocab_size)
+    parts = [_chunk(x[r0:r0 + rows], w, k, bias, 1.0 / temperature, softcap, logit_scale, vocab_size)
+             for r0 in range(0, n, rows)]
+    if not parts:
+        return (x.new_empty((0, k), dtype=torch.float32), x.new_empty((0, k), dtype=torch.int64),
+                x.new_empty((0, 2), dtype=torch.float32))
+    return tuple(torch.cat(t) for t in zip(*parts))
+
+
+# The CUDA kernel of the op, where this build has the products op's CUDA kernel (a CUDA build).
+_LIB = None
+if "cuda" in kernel_device_types("products") and "cuda" not in kernel_device_types("topk_logprobs"):
+    _LIB = torch.library.Library("nitrobrew", "IMPL")
+    _LIB.impl("topk_logprobs", topk_logprobs_chunked, "CUDA")
