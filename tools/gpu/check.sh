@@ -12,6 +12,7 @@
 #                and racecheck, with the kernels the GPU picks and with the sm_80 ones forced
 #   test_training  the training path's tests alone (gradients in the forward; fused-linear and top-K), auto and
 #                sm_80 kernels
+#   test_topk_logprobs  the teacher's top-K's CUDA tests alone (tests/topk_logprobs -k cuda)
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
@@ -94,6 +95,7 @@ for step in $steps; do
                      tests/fused_linear/test_training_path.py tests/fused_linear/test_fused_linear_cuda.py \
                      tests/fused_linear/test_fused_linear_values.py tests/topk_linear/test_topk_linear_training_path.py \
                      -k "cuda or training" ;;
+    test_topk_logprobs) run test_topk_logprobs python3 -m pytest tests/topk_logprobs -q -k cuda -p no:cacheprovider ;;
     bench) run bench python3 benchmarks/fused_linear.py --device cuda --repeats 5 --out "$OUT/fused_linear_cuda.csv" ;;
     bench_training)
       shapes=()
