@@ -55,6 +55,8 @@ def test_scored_labels_match_the_causal_shift():
     assert labels.shape == (3, 10)
     assert torch.equal(labels[0], input_ids[0, 1:])
     assert (labels[1, 6:] == -100).all() and (labels[2, :2] == -100).all()
+    with pytest.raises(ValueError, match="input_ids must be"):
+        nitrobrew.hf.scored_labels(input_ids[0], attention_mask[0])
 
 
 def test_runs_without_gradients_and_checks_the_transform():
