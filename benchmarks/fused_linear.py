@@ -91,28 +91,6 @@ def _nitrobrew_training(xs, xt, ws, wt, *, loss, reduction):
     return _nitrobrew_path(xs, xt, ws, wt, loss=loss, reduction=reduction, grad_in_forward=True)
 
 
-def _with_row_overlap(mode):
-    # The row kernels on a second stream, overlapped with the next step's products (development builds
-    # only: NITROBREW_ROW_OVERLAP, read per call; docs/notes/fused_linear_training_path.md).
-    def run(xs, xt, ws, wt, *, loss, reduction):
-        if os.environ.get("NITROBREW_DEV_KNOBS") != "1":
-            raise RuntimeError("the row-overlap methods need a development build (NITROBREW_DEV_KNOBS=1)")
-        previous = os.environ.get("NITROBREW_ROW_OVERLAP")
-        os.environ["NITROBREW_ROW_OVERLAP"] = mode
-        try:
-            return _nitrobrew_path(xs, xt, ws, wt, loss=loss, reduction=reduction, grad_in_forward=True)
-        finally:
-            if previous is None:
-                del os.environ["NITROBREW_ROW_OVERLAP"]
-            else:
-                os.environ["NITROBREW_ROW_OVERLAP"] = previous
-    return run
-
-
-method("nitrobrew_training_overlap_half")(_with_row_overlap("half"))
-method("nitrobrew_training_overlap_full")(_with_row_overlap("full"))
-
-
 def _with_product_rows(rows):
     # The training path with steps of `rows` rows of products (PRODUCT_ROWS, 512): longer steps read the
     # weights fewer times per token, at more memory for the step's float32 products and less for G's chunk.

@@ -9,7 +9,9 @@ one run, every (method, K) measured once per round over --rounds rounds:
   nitrobrew         nitrobrew.topk_logprobs;
   naive_bf16        the logits in the inputs' dtype, log_softmax in float32, torch.topk;
   naive_float32     the logits from float32 inputs (the accurate one), log_softmax, torch.topk;
-  chunked_naive     naive_bf16 over token chunks of 2048: the simplest bounded-memory composition.
+  chunked_naive     naive_bf16 over token chunks of 2048: the simplest bounded-memory composition;
+  composition       token chunks of cuBLAS float32 logits (nitrobrew's products op), ATen's top-K on order keys,
+                    logsumexp and entropy (nitrobrew/_topk_logprobs_chunked.py): the same outputs from pieces.
 Columns: the median of the rounds' medians of --repeats runs, the fastest, the peak memory above the inputs
 (MiB), the ratio to the gemm row, and the rounds' medians.
 """
@@ -53,10 +55,14 @@ def method_run(method, xt, wt, k):
         return lambda: naive(xt32, wt32, k)
     if method == "chunked_naive":
         return lambda: chunked_naive(xt, wt, k)
+    if method == "composition":
+        from nitrobrew._topk_logprobs_chunked import topk_logprobs_chunked
+
+        return lambda: topk_logprobs_chunked(xt, wt, k, None, 1.0, None, 1.0, wt.shape[0])
     raise ValueError(method)
 
 
-METHODS = ["gemm", "nitrobrew", "naive_bf16", "naive_float32", "chunked_naive"]
+METHODS = ["gemm", "nitrobrew", "naive_bf16", "naive_float32", "chunked_naive", "composition"]
 
 
 def main():

@@ -1,8 +1,8 @@
-"""topk_logprobs on CUDA for now: token chunks of float32 logits (the `products` op: cuBLAS with a float32
-output), then ATen's top-K, log-sum-exp and entropy over each chunk. Memory: one chunk of
-CHUNK_BYTES (256 MiB), never the whole [N, V]. The fused walk (running top-K in the products' epilogue) is
-the kernel that replaces it (issue 43); this path is its correctness baseline, and it runs on any device, so
-the CPU tests hold it to the float64 reference too.
+"""topk_logprobs composed from nitrobrew's and ATen's pieces: token chunks of float32 logits (the `products`
+op: cuBLAS with a float32 output), then ATen's top-K, log-sum-exp and entropy over each chunk. Memory: one
+chunk of CHUNK_BYTES (256 MiB), never the whole [N, V]. It was the op's CUDA path before its kernel
+(csrc/topk_logprobs/topk_logprobs_cuda.cu); it stays as the benchmark's composition baseline, and the tests
+hold it to the float64 reference on the CPU as they hold the op.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew._extension import kernel_device_types
 from nitrobrew._registration import ops
 
 # The chunk's working set: the float32 logits, the int64 sort keys and the temporaries of the entropy and the
@@ -73,10 +72,3 @@ def topk_logprobs_chunked(x: Tensor, w: Tensor, k: int, bias, temperature: float
         return (x.new_empty((0, k), dtype=torch.float32), x.new_empty((0, k), dtype=torch.int64),
                 x.new_empty((0, 2), dtype=torch.float32))
     return tuple(torch.cat(t) for t in zip(*parts))
-
-
-# The CUDA kernel of the op, where this build has the products op's CUDA kernel (a CUDA build).
-_LIB = None
-if "cuda" in kernel_device_types("products") and "cuda" not in kernel_device_types("topk_logprobs"):
-    _LIB = torch.library.Library("nitrobrew", "IMPL")
-    _LIB.impl("topk_logprobs", topk_logprobs_chunked, "CUDA")

@@ -34,9 +34,6 @@ def _(x, w, k, bias, temperature, softcap, logit_scale, vocab_size, chunk_v):
             x.new_empty((n, 2), dtype=dtype))
 
 
-# CUDA's kernel is, for now, the chunked path registered by this import (_topk_logprobs_chunked.py).
-from nitrobrew import _topk_logprobs_chunked  # noqa: E402,F401
-
 _KERNEL_DEVICE_TYPES = kernel_device_types("topk_logprobs")
 
 

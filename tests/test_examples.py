@@ -111,7 +111,7 @@ def test_topk_logprobs_benchmark_smoke(tmp_path):
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 1 + 2 * 4 and all(row["status"] == "ok" for row in rows), rows
+    assert len(rows) == 1 + 2 * 5 and all(row["status"] == "ok" for row in rows), rows
     assert all(len(row["round_medians_ms"].split()) == 2 and float(row["ratio_to_gemm"]) > 0 for row in rows), rows
 
 

@@ -7,15 +7,10 @@
 // Extra memory: the float32 products of `product_rows` rows of both models (8 bytes a column) and the
 // chunk's dLoss/dz (the inputs' dtype), never O(N x V) beyond the chunk the caller chose.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
-#include <optional>
 #include <tuple>
 
 #include "../engine/cuda/cublas_gemm.h"
@@ -26,45 +21,6 @@
 namespace nitrobrew {
 namespace cuda {
 namespace {
-
-// Row kernels overlapped with the next step's products (an experiment, development builds only:
-// NITROBREW_ROW_OVERLAP=half|full; docs/notes/fused_linear_training_path.md). The row kernels are
-// memory-bound and the products compute-bound, so the row kernels of step k run on a second stream while
-// cuBLAS forms the products of step k + 1 into the other of two buffers. "half": two buffers of
-// product_rows / 2 rows (the same memory as one step); "full": two of product_rows.
-enum class RowOverlap { kNone, kHalf, kFull };
-
-RowOverlap row_overlap() {
-#ifdef NITROBREW_DEV_KNOBS
-  if (const char* env = std::getenv("NITROBREW_ROW_OVERLAP"); env != nullptr) {
-    if (std::strcmp(env, "half") == 0) return RowOverlap::kHalf;
-    if (std::strcmp(env, "full") == 0) return RowOverlap::kFull;
-    TORCH_CHECK(env[0] == '\0' || std::strcmp(env, "none") == 0,
-                "NITROBREW_ROW_OVERLAP must be none, half or full, got ", env);
-  }
-#endif
-  return RowOverlap::kNone;
-}
-
-// Makes `main` wait for all work queued on `side` when it goes out of scope, also while an exception unwinds:
-// the tensors declared before it (the products, the outputs) go back to `main`'s pool only after the side
-// stream's kernels that use them. Raw calls that warn rather than throw.
-class JoinStreams {
- public:
-  JoinStreams(cudaStream_t main, cudaStream_t side) : main_(main), side_(side) {}
-  JoinStreams(const JoinStreams&) = delete;
-  JoinStreams& operator=(const JoinStreams&) = delete;
-  ~JoinStreams() {
-    cudaEvent_t done;
-    C10_CUDA_CHECK_WARN(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    C10_CUDA_CHECK_WARN(cudaEventRecord(done, side_));
-    C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(main_, done, 0));
-    C10_CUDA_CHECK_WARN(cudaEventDestroy(done));  // released once the wait is satisfied
-  }
-
- private:
-  cudaStream_t main_, side_;
-};
 
 std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
@@ -87,31 +43,14 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
   at::Tensor loss = at::zeros({n}, xs.options().dtype(at::kFloat));  // masked rows: 0
   at::Tensor grad = at::empty({n, ld}, xs.options()).narrow(1, 0, vocab);
   if (n == 0) return {loss, grad};
-  const RowOverlap overlap = row_overlap();
-  const int64_t step_rows = overlap == RowOverlap::kHalf ? std::max<int64_t>(1, product_rows / 2) : product_rows;
-  const int64_t rows = std::min(step_rows, n);
-  const int64_t buffers = overlap == RowOverlap::kNone || rows == n ? 1 : 2;
-  // Both models' products of `rows` rows per buffer, reused by every step of the chunk.
-  at::Tensor products = at::empty({buffers, 2, rows, ld}, xs.options().dtype(at::kFloat));
+  const int64_t rows = std::min(product_rows, n);
+  // Both models' products of `rows` rows, reused by every step of the chunk.
+  at::Tensor products = at::empty({2, rows, ld}, xs.options().dtype(at::kFloat));
   const at::Tensor scale = row_scale.contiguous();
-  const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream();
-  // With two buffers: the row kernels' stream (a pool stream, which other users of the pool may share:
-  // a development knob), and per buffer the events "products written" (main -> rows) and "products read"
-  // (rows -> main, before the buffer is written again). The rows' stream joins the main stream when `join`
-  // goes out of scope, so every later use or free of these tensors on the main stream (and a CUDA graph's
-  // capture) is ordered after it.
-  std::optional<c10::cuda::CUDAStream> rows_stream;
-  at::cuda::CUDAEvent written[2], read[2];
-  bool read_pending[2] = {false, false};
-  if (buffers == 2) rows_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, xs.device().index());
-  std::optional<JoinStreams> join;
-  if (rows_stream) join.emplace(main.stream(), rows_stream->stream());
-  float* const products_base = products.data_ptr<float>();
-  for (int64_t r0 = 0, step = 0; r0 < n; r0 += rows, ++step) {
-    const int64_t count = std::min(rows, n - r0), b = step % buffers;
-    float* zs = products_base + 2 * b * rows * ld;
-    float* zt = zs + rows * ld;
-    if (read_pending[b]) read[b].block(main);
+  float* const zs = products.data_ptr<float>();
+  float* const zt = zs + rows * ld;
+  for (int64_t r0 = 0; r0 < n; r0 += rows) {
+    const int64_t count = std::min(rows, n - r0);
     products_f32(in.xs.narrow(0, r0, count), in.ws, vocab, zs, ld);
     products_f32(in.xt.narrow(0, r0, count), in.wt, vocab, zt, ld);
     ProductRowsLaunch l;
@@ -126,18 +65,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     l.loss = loss.data_ptr<float>() + r0;
     l.grad = static_cast<char*>(grad.data_ptr()) + r0 * ld * grad.element_size();
     l.ld_grad = ld;
-    if (!rows_stream) {
-      launch_product_rows(l, p, xs.scalar_type());
-      continue;
-    }
-    written[b].record(main);
-    written[b].block(*rows_stream);
-    {
-      const c10::cuda::CUDAStreamGuard on_rows(*rows_stream);  // the kernels and their scratch on this stream
-      launch_product_rows(l, p, xs.scalar_type());
-    }
-    read[b].record(*rows_stream);
-    read_pending[b] = true;
+    launch_product_rows(l, p, xs.scalar_type());
   }
   return {loss, grad};
 }

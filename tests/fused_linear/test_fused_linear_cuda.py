@@ -269,33 +269,3 @@ def test_training_path_launches_by_chunk():
     names = launched_kernels(lambda: nitrobrew.forward_kl(xs_, xt, ws, wt, labels=labels, grad_in_forward=True,
                                                           grad_chunk_mib=8).backward())
     assert sum("row_grads_kernel" in name for name in names) == steps, names
-
-
-@DEV_BUILD
-@pytest.mark.parametrize("beta", [0.0, 0.5])
-def test_training_path_row_overlap(monkeypatch, beta):
-    # (Development builds: NITROBREW_ROW_OVERLAP.) The row kernels on a second stream, overlapped with the
-    # next step's products in two buffers: "full" (steps as long as without overlap) gives the serial run's
-    # results bit for bit, and "half" (steps half as long) matches the float64 reference. 1000 rows under
-    # 8 MiB take many steps, so each buffer is written again after its previous rows were read.
-    xs, xt, ws, wt, labels = make_problem(n=1000, v=20011, d_s=64, d_t=64, dtype=torch.bfloat16, device="cuda",
-                                          masked=True)
-    bias_s, _ = make_biases(ws, wt, scale=2.0)
-
-    def run():
-        x, w = xs.detach().requires_grad_(), ws.detach().requires_grad_()
-        loss = nitrobrew.jsd(x, xt, w, wt, beta=beta, labels=labels, ce_weight=0.2, bias_s=bias_s,
-                             grad_in_forward=True, grad_chunk_mib=8)
-        loss.backward()
-        return loss.detach(), x.grad, w.grad
-
-    serial = run()
-    monkeypatch.setenv("NITROBREW_ROW_OVERLAP", "full")
-    for a, b in zip(run(), serial):
-        assert torch.equal(a, b)
-    monkeypatch.setenv("NITROBREW_ROW_OVERLAP", "half")
-    check_against_reference(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=0.2, bias_s=bias_s,
-                            reduction="mean", grad_in_forward=True, grad_chunk_mib=8)
-    monkeypatch.setenv("NITROBREW_ROW_OVERLAP", "sideways")
-    with pytest.raises(RuntimeError, match="NITROBREW_ROW_OVERLAP must be none, half or full"):
-        run()

@@ -96,26 +96,6 @@ def test_training_path_row_slices_once(monkeypatch, slice_cols):
             assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
 
 
-@DEV_BUILD
-@pytest.mark.parametrize("overlap", ["half", "full"])
-def test_training_path_row_overlap_once(monkeypatch, overlap):
-    # (Development builds.) The row kernels on a second stream, two product buffers written and read in
-    # turn over many steps (8 MiB: steps of a few rows), and a masked row, the CE add-on and a bias.
-    monkeypatch.setenv("NITROBREW_ROW_OVERLAP", overlap)
-    v = 20011
-    xs = torch.randn(97, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    xt = torch.randn(97, 48, device="cuda", dtype=torch.bfloat16)
-    ws = (torch.randn(v, 64, device="cuda", dtype=torch.bfloat16) / 8).requires_grad_()
-    wt = torch.randn(v, 48, device="cuda", dtype=torch.bfloat16) / 7
-    labels = torch.randint(0, v, (97,), device="cuda")
-    labels[::5] = -100
-    bias_s = torch.randn(v, device="cuda", dtype=torch.bfloat16)
-    loss = nitrobrew.jsd(xs, xt, ws, wt, beta=0.5, labels=labels, ce_weight=0.2, bias_s=bias_s,
-                         grad_in_forward=True, grad_chunk_mib=8)
-    loss.backward()
-    torch.cuda.synchronize()
-    assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
-
 
 def _labels_out_of_range(monkeypatch):
     """Where the Python check cannot run (torch.compile, CUDA graphs): rows 1 and 4 have labels outside

@@ -25,7 +25,15 @@ def chunked(x, w, k, *, temperature=1.0, bias=None, logit_scale=1.0, softcap=Non
     return out + (stats[:, 0].reshape(lead), stats[:, 1].reshape(lead)) if return_stats else out
 
 
-IMPLEMENTATIONS = {"op": nitrobrew.topk_logprobs, "chunked": chunked}
+def on_cuda(x, w, k, **options):
+    """The op's CUDA kernel on CPU tensors: inputs moved to the GPU, outputs back."""
+    options = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in options.items()}
+    return tuple(t.cpu() for t in nitrobrew.topk_logprobs(x.cuda(), w.cuda(), k, **options))
+
+
+IMPLEMENTATIONS = {"op": nitrobrew.topk_logprobs, "chunked": chunked, "cuda": on_cuda}
+# Every implementation: the CPU op, the chunked composite (on the CPU), the CUDA kernel.
+ALL = ["op", "chunked", pytest.param("cuda", marks=CUDA)]
 
 
 def check(x, w, k, *, implementation=nitrobrew.topk_logprobs, atol=None, **options):
@@ -76,14 +84,15 @@ def problem(n, v, d, *, dtype=torch.float32, device="cpu", scale=1.0, seed=0):
 
 
 @pytest.mark.parametrize("implementation, dtype", [("op", torch.float32), ("op", torch.float64),
-                                                   ("chunked", torch.float32)])  # chunked: CUDA's dtypes
+                                                   ("chunked", torch.float32),  # chunked and CUDA: 16/32-bit
+                                                   pytest.param("cuda", torch.float32, marks=CUDA)])
 @pytest.mark.parametrize("k", [1, 5, 64, 301])
 def test_against_the_reference(implementation, dtype, k):
     x, w = problem(37, 1003, 24, dtype=dtype, scale=3.0)
     check(x, w, k, implementation=IMPLEMENTATIONS[implementation])
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("options", [
     dict(temperature=0.05), dict(temperature=20.0), dict(logit_scale=0.3), dict(softcap=5.0),
     dict(bias=True), dict(vocab_size=900), dict(bias=True, logit_scale=2.5, softcap=30.0, temperature=0.7, vocab_size=777),
@@ -100,7 +109,7 @@ def test_logit_transforms_and_padding(implementation, options):
                                         for key, val in options.items()})
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_ties_go_to_the_lower_id(implementation, dtype):
     # x = 0 makes every logit its bias exactly: many equal values, straddling the k-th place.
@@ -115,7 +124,7 @@ def test_ties_go_to_the_lower_id(implementation, dtype):
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 def test_minus_zero_ties_with_plus_zero(implementation):
     # 0 * (-1) is -0.0: equal to +0.0, so the lower id comes first whatever the sign bits.
     x, w = torch.zeros(2, 1), torch.tensor([[-1.0], [1.0], [-2.0]])
@@ -124,21 +133,21 @@ def test_minus_zero_ties_with_plus_zero(implementation):
     assert torch.equal(ids, torch.tensor([[0, 1, 2], [0, 1, 2]]))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 def test_a_large_vocabulary_keeps_the_normalizer_accurate(implementation):
     # 262144 terms summed for the log-normalizer (Gemma's vocabulary): float32 running sums would drift.
     x, w = problem(4, 262144, 32, scale=3.0, seed=2)
     check(x, w, 8, implementation=IMPLEMENTATIONS[implementation], atol=2e-5 * 15)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 def test_16_bit_inputs(implementation):
     for dtype in (torch.bfloat16, torch.float16):
         x, w = problem(29, 517, 32, dtype=dtype, scale=2.0, seed=3)
         check(x, w, 17, implementation=IMPLEMENTATIONS[implementation])
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ALL)
 def test_non_finite_rows(implementation):
     # Row 0: NaN hidden state; row 1: a +inf logit (bias); rows 2-3: -inf logits (probability 0), fewer finite
     # ones than k in row 3; row 4: every logit -inf; rows 5-6: clean.

@@ -44,7 +44,7 @@ export NITROBREW_DEV_KNOBS=${NITROBREW_DEV_KNOBS:-1}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The randomized tests' cases per family and device (CI's CPU run: 8).
 export NITROBREW_RANDOM_CASES=${NITROBREW_RANDOM_CASES:-64}
-families=${FAMILIES:-fused_linear topk_linear logits attention_kl distributed}
+families=${FAMILIES:-fused_linear topk_linear topk_logprobs logits attention_kl distributed}
 status=0
 summary=()
 # Python packages the GPU machine lacks (liger-kernel for the benchmarks' peer), carried as wheels in
