@@ -186,6 +186,11 @@ def hs_root_hook(model, ids):
     return box["h"]
 
 
+def say(rank, *a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
 def redirected(wrapper, inner, fn, *args, **kwargs):
     """TRL's _ForwardRedirection: run fn(*args, **kwargs) as inner's forward, called through wrapper's __call__
     (wrapper is inner itself for FSDP2, the DDP module for DDP), so the wrapper's hooks/forward run."""

@@ -5,26 +5,13 @@ from torch.distributed.tensor import DTensor
 import nitrobrew
 from nitrobrew import hf
 
+from common import redirected  # TRL's forward redirection
+
 
 def split(model):
     """(wrapper to call, the transformers model inside): DDP -> (ddp, ddp.module); FSDP2 / plain -> (m, m)."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     return model, hf._unwrapped(inner)
-
-
-def redirected(wrapper, inner, fn, *args, **kwargs):
-    """fn(*args, **kwargs) run as `inner`'s forward, called through `wrapper` so DDP's forward / FSDP2's root hooks
-    run around it (TRL's _ForwardRedirection)."""
-    original = inner.forward
-
-    def forward(*a, **k):
-        inner.forward = original
-        return fn(*a, **k)
-    inner.forward = forward
-    try:
-        return wrapper(*args, **kwargs)
-    finally:
-        inner.forward = original
 
 
 def fsdp_sharded(model, module, name="weight"):

@@ -7,9 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import common as C
 
 
-def say(rank, *a):
-    if rank == 0:
-        print(*a, flush=True)
+say = C.say
 
 
 def main(rank, world):
