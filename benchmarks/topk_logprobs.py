@@ -83,6 +83,7 @@ def main():
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     today = datetime.date.today().isoformat()
+    out = args.out or Path(__file__).parent / "results" / f"topk_logprobs_{args.device}_{today}.csv"
     rows = []
     for shape in args.shape:
         n, v, d = (int(x) for x in shape.split(","))
@@ -121,8 +122,7 @@ def main():
                   f"{row.get('peak_extra_mib', float('nan')):9.1f} MiB")
         del xt, wt
         free_device_memory(device)
-    out = args.out or Path(__file__).parent / "results" / f"topk_logprobs_{args.device}_{today}.csv"
-    write_csv(out, COLUMNS, rows)
+        write_csv(out, COLUMNS, rows)  # after every shape: a run cut short keeps the shapes it finished
 
 
 if __name__ == "__main__":
