@@ -20,6 +20,9 @@ namespace cuda {
 constexpr int kTopKRowThreads = 256;
 namespace topk_rows {
 
+// Blocks an SM keeps (1024 threads): without this floor ptxas targets 5 on sm_90a and spills the held loads.
+constexpr int kMinBlocksPerSM = 4;
+
 constexpr int kThreads = kTopKRowThreads;
 constexpr int kVec = 4;                        // floats per load
 constexpr int kLoads = 2;                      // loads a thread holds per round
@@ -81,7 +84,7 @@ struct TopKRowArgs {
   float* stats;     // [rows, kNumTopKLogprobsStats]
 };
 
-__global__ void __launch_bounds__(kTopKRowThreads) topk_rows_kernel(TopKRowArgs a) {
+__global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksPerSM) topk_rows_kernel(TopKRowArgs a) {
   using namespace topk_rows;
   __shared__ float value[kBuffer];
   __shared__ int32_t id[kBuffer];
@@ -139,6 +142,16 @@ __global__ void __launch_bounds__(kTopKRowThreads) topk_rows_kernel(TopKRowArgs 
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) now[l] = held[l];
     if (base + kRound < a.vocab) load_round(base + kRound, held);  // in flight while this round is worked
+    if (a.bias != nullptr) {  // the round's biases, loaded together (the bias may sit at any 4-byte offset)
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        const int64_t v0 = base + (l * kThreads + threadIdx.x) * kVec;
+        now[l].x += v0 < a.vocab ? a.bias[v0] : 0.f;
+        now[l].y += v0 + 1 < a.vocab ? a.bias[v0 + 1] : 0.f;
+        now[l].z += v0 + 2 < a.vocab ? a.bias[v0 + 2] : 0.f;
+        now[l].w += v0 + 3 < a.vocab ? a.bias[v0 + 3] : 0.f;
+      }
+    }
     const float tau = threshold;
     const bool filtered = has_threshold;
 #pragma unroll
@@ -150,7 +163,6 @@ __global__ void __launch_bounds__(kTopKRowThreads) topk_rows_kernel(TopKRowArgs 
         const int64_t v = v0 + c;
         if (v >= a.vocab) break;
         float s = entries[c];
-        if (a.bias != nullptr) s += a.bias[v];
         s = scale_logit(model_logit(s, a.scale, a.cap), a.inv_t) + 0.f;  // + 0: -0.0 ties with +0.0
         if (isnan(s) || s == INFINITY) {
           undefined = true;
