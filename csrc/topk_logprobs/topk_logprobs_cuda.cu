@@ -41,6 +41,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logprobs_cuda(const at::Tens
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const int64_t rows = std::max<int64_t>(1, std::min(n, kChunkBytes / (4 * ld)));
   at::Tensor z = at::empty({rows, ld}, f32);
+  // The row kernel's 16-byte loads reach into the padding past the vocabulary, which cuBLAS never writes:
+  // zeroed once, so that no uninitialized memory is read (the entries themselves are skipped).
+  if (ld > vocab) z.narrow(1, vocab, ld - vocab).zero_();
   TopKRowArgs a;
   a.ld = ld;
   a.vocab = vocab;

@@ -84,7 +84,8 @@ struct TopKRowArgs {
   float* stats;     // [rows, kNumTopKLogprobsStats]
 };
 
-__global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksPerSM) topk_rows_kernel(TopKRowArgs a) {
+// static: one translation unit of the extension includes it (and the standalone benchmark).
+static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksPerSM) topk_rows_kernel(TopKRowArgs a) {
   using namespace topk_rows;
   __shared__ float value[kBuffer];
   __shared__ int32_t id[kBuffer];
@@ -126,7 +127,8 @@ __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksPerSM) t
   };
 
   // Load l of a round covers ids [base + l * kThreads * kVec, + kThreads * kVec): a warp reads 512
-  // contiguous bytes. Past the vocabulary nothing is read (ld, a multiple of 4, bounds every load).
+  // contiguous bytes. A load starting below the vocabulary may reach its padding (up to a multiple of 4 <= ld,
+  // zeroed by the host); those entries are skipped.
   auto load_round = [&](int64_t base, float4 (&held)[kLoads]) {
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksPerSM) t
     }
   };
 
-  float4 held[kLoads];
+  float4 held[kLoads] = {};  // lanes past the vocabulary keep zeros, never used
   load_round(0, held);
   for (int64_t base = 0; base < a.vocab; base += kRound) {
     float4 now[kLoads];

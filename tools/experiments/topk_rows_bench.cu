@@ -2,9 +2,9 @@
 // chunk of float32 logits at the memory's speed: the kernel against a read-only kernel over the same
 // buffer (each row summed by a block: the floor), alternated over rounds, for several K. Rows of N(0, 3^2)
 // logits, the spread of a trained teacher's. Checks a few rows against a host walk in double first
-// (top-K values, ids, log-normalizer). Standalone (no torch):
+// (top-K values, ids, log-normalizer, entropy; no bias, scale or soft-cap: the CUDA tests cover those). Standalone (no torch):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icsrc tools/experiments/topk_rows_bench.cu -o topk_rows_bench
-//   ./topk_rows_bench [rows] [vocab]      (default 882 x 152064: a 512 MiB chunk of a Qwen teacher)
+//   ./topk_rows_bench [rows >= 2] [vocab >= 8]   (default 882 x 152064: a 512 MiB chunk of a Qwen teacher)
 // Prints CSV: K, rows, vocab, median ms of the kernel, of the read-only floor, their ratio, GB/s.
 #include <cuda_runtime.h>
 
@@ -47,7 +47,7 @@ __device__ __host__ inline float logit_at(uint64_t i) {
 
 __global__ void fill(float* z, int64_t rows, int64_t ld, int64_t vocab) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * ld; i += int64_t(gridDim.x) * blockDim.x)
-    z[i] = i % ld < vocab ? logit_at(i) : 0.f;
+    z[i] = i % ld >= vocab ? 0.f : i / ld == 1 ? rintf(4 * logit_at(i)) / 4 : logit_at(i);  // row 1: ties
 }
 
 // The floor: every entry of the row read once, as the row kernel reads it, and summed.
@@ -63,6 +63,10 @@ __global__ void __launch_bounds__(kTopKRowThreads) read_rows(const float* z, int
 
 int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? std::atoll(argv[1]) : 882, vocab = argc > 2 ? std::atoll(argv[2]) : 152064;
+  if (rows < 2 || vocab < 8) {
+    std::fprintf(stderr, "usage: topk_rows_bench [rows >= 2] [vocab >= 8]\n");
+    return 2;
+  }
   const int64_t ld = (vocab + 7) / 8 * 8;
   float *z, *lp, *stats, *sink;
   int64_t* ids;
@@ -89,10 +93,15 @@ int main(int argc, char** argv) {
     return a;
   };
 
-  // The check: rows 0, 1 and the last against a host walk in double.
+  // The check: rows 0, 1 (on a grid of 1/4: ties across rounds) and the last, copied back, against a host walk
+  // in double.
   int failures = 0;
-  for (int k : {8, 256}) {
+  std::vector<int> ks;  // the K checked and timed: those the vocabulary allows
+  for (int k : {8, 32, 256, 1024})
+    if (k <= vocab) ks.push_back(k);
+  for (int k : ks) {
     topk_rows_kernel<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(args_for(k));
+    CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     std::vector<float> got_lp(rows * k), got_stats(rows * 2);
     std::vector<int64_t> got_ids(rows * k);
@@ -101,16 +110,20 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(got_stats.data(), stats, got_stats.size() * 4, cudaMemcpyDeviceToHost));
     for (int64_t r : {int64_t(0), int64_t(1), rows - 1}) {
       std::vector<float> s(vocab);
-      for (int64_t v = 0; v < vocab; ++v) s[v] = logit_at(r * ld + v);
+      CHECK(cudaMemcpy(s.data(), z + r * ld, vocab * sizeof(float), cudaMemcpyDeviceToHost));
       const double m = *std::max_element(s.begin(), s.end());
-      double sum = 0;
-      for (float x : s) sum += std::exp(x - m);
-      const double lse = m + std::log(sum);
+      double sum = 0, centered = 0;
+      for (float x : s) {
+        sum += std::exp(x - m);
+        centered += std::exp(x - m) * (x - m);
+      }
+      const double lse = m + std::log(sum), entropy = std::log(sum) - centered / sum;
       std::vector<int64_t> order(vocab);
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
                         [&](int64_t i, int64_t j) { return s[i] > s[j] || (s[i] == s[j] && i < j); });
-      bool ok = std::fabs(got_stats[r * 2] - lse) < 1e-4 * std::fabs(lse) + 1e-4;
+      bool ok = std::fabs(got_stats[r * 2] - lse) < 1e-4 * std::fabs(lse) + 1e-4 &&
+                std::fabs(got_stats[r * 2 + 1] - entropy) < 1e-4 * std::fabs(entropy) + 1e-4;
       for (int j = 0; j < k; ++j)
         ok = ok && got_ids[r * k + j] == order[j] && std::fabs(got_lp[r * k + j] - (s[order[j]] - lse)) < 1e-4;
       if (!ok) {
@@ -139,10 +152,10 @@ int main(int argc, char** argv) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  const int ks[] = {8, 32, 256, 1024};
-  std::vector<std::vector<float>> kernel_ms(4), floor_ms(4);
+  const int num_k = static_cast<int>(ks.size());
+  std::vector<std::vector<float>> kernel_ms(num_k), floor_ms(num_k);
   for (int round = 0; round < 3; ++round) {
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < num_k; ++i) {
       const TopKRowArgs a = args_for(ks[i]);
       floor_ms[i].push_back(time_ms([&] { read_rows<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(z, ld, vocab, sink); }));
       kernel_ms[i].push_back(time_ms([&] { topk_rows_kernel<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(a); }));
@@ -150,7 +163,7 @@ int main(int argc, char** argv) {
   }
   CHECK(cudaGetLastError());
   std::printf("K,rows,vocab,kernel_ms,floor_ms,ratio_to_floor,kernel_GBps\n");
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < num_k; ++i) {
     std::sort(kernel_ms[i].begin(), kernel_ms[i].end());
     std::sort(floor_ms[i].begin(), floor_ms[i].end());
     const double k_ms = kernel_ms[i][1], f_ms = floor_ms[i][1];
