@@ -95,7 +95,14 @@ def unembedding(model) -> Unembedding:
 
 
 def _unwrapped(model):
-    """The transformers model under torch.compile's and PEFT's wrappers."""
+    """The transformers model under torch.compile's and PEFT's wrappers. DDP is refused: running its
+    module's decoder alone would skip DDP's gradient synchronization, a silently wrong step."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise NotImplementedError(
+            "nitrobrew.hf does not take DistributedDataParallel models yet. Do not pass model.module instead: "
+            "running its decoder outside DDP's forward skips DDP's gradient synchronization. Run the decoders "
+            "inside your DDP module's forward and pass their last hidden states and lm_head weights to "
+            "nitrobrew.forward_kl / reverse_kl / jsd (docs/notes/hf_distributed.md)")
     model = getattr(model, "_orig_mod", model)  # torch.compile
     get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
     return get_base() if callable(get_base) else model

@@ -1,6 +1,6 @@
 """Where nitrobrew.topk_logprobs spends its time on the GPU: CUDA time per kernel name (torch.profiler) -> CSV.
 
-    python tools/gpu/profile_topk_logprobs.py --out profile.csv [--shape N,V,D ...] [--topk 8 256]
+    python tools/profiling/topk_logprobs_kernel_times.py --out times.csv [--shape N,V,D ...] [--topk 8 256]
 """
 import argparse
 import collections
