@@ -23,7 +23,7 @@
 #   bench_topk_rows  topk_logprobs' row kernel alone against a read-only floor (tools/experiments/topk_rows_bench.cu:
 #                a 512 MiB chunk of the Qwen and Llama-3 teachers), after its host check; then memcheck and racecheck of
 #                it on a small odd shape. Needs no build step
-#   profile_topk_logprobs  CUDA time per kernel of topk_logprobs (tools/gpu/profile_topk_logprobs.py)
+#   profile_topk_logprobs  CUDA time per kernel of topk_logprobs (tools/profiling/topk_logprobs_kernel_times.py)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama",
@@ -126,7 +126,7 @@ for step in $steps; do
           compute-sanitizer --tool $tool --error-exitcode 1 '$OUT/topk_rows_bench' \$shape || exit 1; done"
       done
       rm -f "$OUT/topk_rows_bench" ;;
-    profile_topk_logprobs) run profile_topk_logprobs python3 tools/gpu/profile_topk_logprobs.py \
+    profile_topk_logprobs) run profile_topk_logprobs python3 tools/profiling/topk_logprobs_kernel_times.py \
                              --out "$OUT/topk_logprobs_kernel_times.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
