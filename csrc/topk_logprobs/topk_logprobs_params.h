@@ -8,13 +8,9 @@
 
 #include <cstdint>
 
+#include "topk_logprobs_limits.h"
+
 namespace nitrobrew {
-
-// The largest K: each row keeps K running candidates (value and id) through the vocabulary walk.
-constexpr int64_t kMaxTopKLogprobsK = 1024;
-
-// Columns of topk_logprobs' per-row statistics.
-enum TopKLogprobsStat : int { kLogNormalizer = 0, kEntropy, kNumTopKLogprobsStats };
 
 struct TopKLogprobsParams {
   int64_t num_rows, hidden, vocab_size, k;

@@ -20,6 +20,10 @@
 #   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
 #   bench_topk_logprobs  the teacher's top-K (nitrobrew.topk_logprobs) against cuBLAS's one product and naive
 #                PyTorch, N 8192 and 32768, Qwen and Llama-3 teachers, K 8-256 (benchmarks/topk_logprobs.py)
+#   bench_topk_rows  topk_logprobs' row kernel alone against a read-only floor (tools/experiments/topk_rows_bench.cu:
+#                a 512 MiB chunk of the Qwen and Llama-3 teachers), after its host check; then memcheck and racecheck of
+#                it on a small odd shape. Needs no build step
+#   profile_topk_logprobs  CUDA time per kernel of topk_logprobs (tools/profiling/topk_logprobs_kernel_times.py)
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama",
@@ -113,6 +117,17 @@ for step in $steps; do
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_topk_logprobs) run bench_topk_logprobs python3 benchmarks/topk_logprobs.py --device cuda \
                            --out "$OUT/topk_logprobs_cuda.csv" ;;
+    bench_topk_rows)
+      run build_topk_rows_bench nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icsrc \
+        tools/experiments/topk_rows_bench.cu -o "$OUT/topk_rows_bench"
+      run bench_topk_rows sh -c "'$OUT/topk_rows_bench' 882 152064 && '$OUT/topk_rows_bench' 1046 128256"
+      for tool in memcheck racecheck; do
+        run "${tool}_topk_rows_bench" sh -c "for shape in '3 5003' '2 1001'; do
+          compute-sanitizer --tool $tool --error-exitcode 1 '$OUT/topk_rows_bench' \$shape || exit 1; done"
+      done
+      rm -f "$OUT/topk_rows_bench" ;;
+    profile_topk_logprobs) run profile_topk_logprobs python3 tools/profiling/topk_logprobs_kernel_times.py \
+                             --out "$OUT/topk_logprobs_kernel_times.csv" ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
     bench_model_options) run bench_model_options python3 benchmarks/fused_linear.py --device cuda --rounds 3 \
