@@ -19,7 +19,8 @@
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
 #   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
 #   bench_topk_logprobs  the teacher's top-K (nitrobrew.topk_logprobs) against cuBLAS's one product and naive
-#                PyTorch, N 8192 and 32768, Qwen and Llama-3 teachers, K 8-256 (benchmarks/topk_logprobs.py)
+#                PyTorch, N 8192 and 32768, Qwen and Llama-3 teachers, K 8-256 (benchmarks/topk_logprobs.py;
+#                TOPK_METHODS and TOPK_K narrow it)
 #   bench_topk_rows  topk_logprobs' row kernel alone against a read-only floor (tools/experiments/topk_rows_bench.cu:
 #                a 512 MiB chunk of the Qwen and Llama-3 teachers), after its host check; then memcheck and racecheck of
 #                it on a small odd shape. Needs no build step
@@ -116,6 +117,7 @@ for step in $steps; do
               done ;;
     bench_topk) run bench_topk python3 benchmarks/topk_linear.py --device cuda --out "$OUT/topk_linear_cuda.csv" ;;
     bench_topk_logprobs) run bench_topk_logprobs python3 benchmarks/topk_logprobs.py --device cuda \
+                           ${TOPK_METHODS:+--methods $TOPK_METHODS} ${TOPK_K:+--topk $TOPK_K} \
                            --out "$OUT/topk_logprobs_cuda.csv" ;;
     bench_topk_rows)
       run build_topk_rows_bench nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icsrc \
