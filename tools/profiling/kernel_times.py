@@ -15,6 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fused_linear as bench  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trace_gaps  # noqa: E402
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -22,6 +25,7 @@ def main():
     p.add_argument("--methods", nargs="+", default=["nitrobrew"])
     p.add_argument("--loss", default="forward_kl")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--gaps", action="store_true", help="also the GPU's idle gaps in the step (trace_gaps)")
     args = p.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     xs, xt, ws, wt = bench.make_inputs(shape, torch.bfloat16, torch.device("cuda"), requires_grad=True)
@@ -35,7 +39,8 @@ def main():
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if args.gaps else [])
+        with torch.profiler.profile(activities=activities) as prof:
             step()
             torch.cuda.synchronize()
         totals, counts = collections.defaultdict(float), collections.Counter()
@@ -47,6 +52,8 @@ def main():
         print(f"\n{name} {shape}: {total / 1e3:.1f} ms of kernels")
         for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"  {v / 1e3:8.2f} ms {counts[k]:5d}x  {k[:110]}")
+        if args.gaps:
+            trace_gaps.print_gaps(prof, top=10)
 
 
 if __name__ == "__main__":
