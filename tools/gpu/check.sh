@@ -125,7 +125,7 @@ for step in $steps; do
       run bench_topk_rows sh -c "'$OUT/topk_rows_bench' 882 152064 && '$OUT/topk_rows_bench' 1046 128256"
       for tool in memcheck racecheck; do
         run "${tool}_topk_rows_bench" sh -c "for shape in '3 5003' '2 1001'; do
-          compute-sanitizer --tool $tool --error-exitcode 1 '$OUT/topk_rows_bench' \$shape || exit 1; done"
+          compute-sanitizer --tool $tool --error-exitcode 1 '$OUT/topk_rows_bench' \$shape check || exit 1; done"
       done
       rm -f "$OUT/topk_rows_bench" ;;
     profile_topk_logprobs) run profile_topk_logprobs python3 tools/profiling/topk_logprobs_kernel_times.py \
