@@ -12,6 +12,10 @@ position but the last without a mask).
 that turns a model's final hidden state into logits, and the transform the model applies to them.
 `capture_attention` and `attention_distillation_loss` (hf_attention.py) distill attention maps.
 
+Models may be wrapped in DistributedDataParallel or sharded with FSDP2 (`fully_shard`, the root included):
+each model's decoder then runs inside its wrapper's forward, and a sharded lm_head is used as the DTensor
+shard FSDP2 keeps, without gathering it (_hf_wrappers.py; docs/hf.md).
+
 transformers is an optional dependency: this module imports none of it.
 """
 
@@ -23,7 +27,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, distributed
+from nitrobrew import _checks, _hf_wrappers, distributed
 from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
 from nitrobrew.hf_attention import CapturedAttention, attention_distillation_loss, capture_attention
 from nitrobrew.topk_logprobs import topk_logprobs
@@ -70,15 +74,19 @@ def unembedding(model) -> Unembedding:
     without a linear output embedding."""
     model = _unwrapped(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
+    weight = _hf_wrappers.managed_param(model, head, "weight") if head is not None else None
+    if hasattr(weight, "ds_id") or hasattr(weight, "ds_numel"):
+        raise NotImplementedError(
+            f"{type(model).__name__}'s lm_head weight is partitioned by DeepSpeed ZeRO-3, which nitrobrew.hf cannot "
+            f"read. Use FSDP2 (fully_shard, or accelerate's FSDP2 plugin), or ZeRO stage 1 or 2")
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) whose weight nitrobrew "
                          f"can read; got {type(head).__name__}")
-    if distributed.is_dtensor(weight):
+    if distributed.is_dtensor(weight) and not _hf_wrappers.is_fsdp(model):
         raise NotImplementedError(
-            f"{type(model).__name__}'s lm_head weight is a DTensor (FSDP2 or tensor parallelism): nitrobrew.hf does "
-            f"not take sharded models yet. Run the decoders and pass their last hidden states and the DTensor lm_head "
-            f"weights to nitrobrew.forward_kl / reverse_kl / jsd, which take them (docs/distributed.md)")
+            f"{type(model).__name__}'s lm_head weight is a DTensor outside FSDP2 (tensor parallelism): nitrobrew.hf "
+            f"does not take tensor-parallel models. Run the decoders and pass their last hidden states and the DTensor "
+            f"lm_head weights to nitrobrew.forward_kl / reverse_kl / jsd, which take them (docs/distributed.md)")
     if getattr(head, "lora_A", None) is not None or type(head).__name__.startswith("Lora"):
         raise ValueError("the lm_head itself is adapted (LoRA on the output embedding): nitrobrew reads the "
                          "lm_head's weight and would miss the adapter; keep lm_head out of target_modules")
@@ -90,19 +98,15 @@ def unembedding(model) -> Unembedding:
         scaling = _config_number(config, "logits_scaling")
         if scaling is not None:
             scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1.0 / scaling
-    return Unembedding(weight=weight, bias=getattr(head, "bias", None), scale=1.0 if scale is None else scale,
+    return Unembedding(weight=weight, bias=_hf_wrappers.managed_param(model, head, "bias"),
+                       scale=1.0 if scale is None else scale,
                        softcap=_config_number(config, "final_logit_softcapping"))
 
 
 def _unwrapped(model):
-    """The transformers model under torch.compile's and PEFT's wrappers. DDP is refused: running its
-    module's decoder alone would skip DDP's gradient synchronization, a silently wrong step."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise NotImplementedError(
-            "nitrobrew.hf does not take DistributedDataParallel models yet. Do not pass model.module instead: "
-            "running its decoder outside DDP's forward skips DDP's gradient synchronization. Run the decoders "
-            "inside your DDP module's forward and pass their last hidden states and lm_head weights to "
-            "nitrobrew.forward_kl / reverse_kl / jsd (docs/notes/hf_distributed.md)")
+    """The transformers model under DistributedDataParallel's, torch.compile's and PEFT's wrappers."""
+    if _hf_wrappers.is_ddp(model):
+        model = model.module
     model = getattr(model, "_orig_mod", model)  # torch.compile
     get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
     return get_base() if callable(get_base) else model
@@ -128,33 +132,62 @@ _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
-    inner = _unwrapped(model)
+    """One no-grad forward of the model (through its DDP or FSDP2 wrapper) on a probe of 8 tokens: its own logits
+    against the unembedding applied to its decoder's output (caught by a hook). A sharded lm_head is compared on
+    this rank's rows; the ranks of a wrapped model agree on the worst error (all-reduced), so that all raise
+    together."""
+    wrapper, inner = _hf_wrappers.split(model, _unwrapped)
     if inner in _CHECKED:
         return
     probe = input_ids[:1, : min(input_ids.shape[1], 8)]
+    captured = {}
+
+    def capture(module, args, out):
+        captured["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    hook = _decoder(inner).register_forward_hook(capture)
     training = {m: m.training for m in inner.modules()}
-    inner.eval()  # no dropout: the two forwards below must see the same network
+    inner.eval()  # no dropout: the logits and the hidden states come from one forward
     try:
         with torch.no_grad():
-            own = inner(input_ids=probe, use_cache=False).logits.float()
-            h = _final_hidden_states(inner, probe, None).float()
+            own = wrapper(input_ids=probe, use_cache=False).logits.float()
     finally:
+        hook.remove()
         for m, flag in training.items():
             m.training = flag
-    z = h @ u.weight.float().T
-    if u.bias is not None:
-        z = z + u.bias.float()
+    weight, bias = u.weight.detach(), None if u.bias is None else u.bias.detach()
+    if distributed.is_dtensor(weight):  # this rank's rows of the vocabulary
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        (rows, _), (offset, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh,
+                                                                        weight.placements)
+        own = own[..., offset:offset + rows]
+        weight = weight.to_local()
+        bias = None if bias is None else bias.to_local() if distributed.is_dtensor(bias) else bias[offset:offset + rows]
+    z = captured["h"].float() @ weight.float().T
+    if bias is not None:
+        z = z + bias.float()
     z = z * u.scale
     if u.softcap is not None:
         z = u.softcap * torch.tanh(z / u.softcap)
+    err = (z - own).abs().max() if own.numel() else own.new_zeros(())
+    largest = own.abs().max() if own.numel() else own.new_zeros(())
+    group = _hf_wrappers.check_group(wrapper, u.weight)
+    if group is not None:
+        import torch.distributed as dist
+
+        both = torch.stack([err, largest])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        err, largest = both[0], both[1]
     # 2% of the largest logit: a Trainer's mixed precision (accelerate wraps the model's forward in autocast)
     # rounds the model's own logits to bfloat16, while the transforms this guards against (a scale, a
     # soft-cap, an offset) move them by far more.
-    err = (z - own).abs().max().item()
-    if not err <= 2e-2 * max(1.0, own.abs().max().item()):
+    if not err.item() <= 2e-2 * max(1.0, largest.item()):
+        name = type(inner).__name__
+        name = name[4:] if name.startswith("FSDP") else name  # fully_shard's class
         raise ValueError(
-            f"{type(inner).__name__}: its logits are not softcap(scale * (h @ lm_head.T + bias)) with the transform "
-            f"nitrobrew read from its config (scale {u.scale}, softcap {u.softcap}); max difference {err:.3g}. "
+            f"{name}: its logits are not softcap(scale * (h @ lm_head.T + bias)) with the transform "
+            f"nitrobrew read from its config (scale {u.scale}, softcap {u.softcap}); max difference {err.item():.3g}. "
             f"This model family transforms its logits in a way nitrobrew.hf does not know yet")
     _CHECKED[inner] = True
 
@@ -223,18 +256,34 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
         _check_against_own_logits(student, u_s, input_ids)
         _check_against_own_logits(teacher, u_t, input_ids)
     targets = _scored_positions(input_ids, attention_mask, labels, ignore_index)
-    h_s = _final_hidden_states(student, input_ids, attention_mask)[:, :-1]
-    with torch.no_grad():
-        h_t = _final_hidden_states(teacher, input_ids, attention_mask)[:, :-1]
-    bias_t = None if u_t.bias is None else u_t.bias.to(h_s.dtype)
-    options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
-                   ce_weight=ce_weight, vocab_size=vocab_size, bias_s=u_s.bias, bias_t=bias_t,
-                   logit_scale_s=u_s.scale, logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap,
-                   grad_in_forward=grad_in_forward, grad_chunk_mib=grad_chunk_mib)
-    if loss == "jsd":
-        return jsd(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), beta=beta, **options)
-    fn = forward_kl if loss == "forward_kl" else reverse_kl
-    return fn(h_s, h_t.to(h_s.dtype), u_s.weight, u_t.weight.to(h_s.dtype), **options)
+    s_wrapper, s_inner = _hf_wrappers.split(student, _unwrapped)
+    t_wrapper, t_inner = _hf_wrappers.split(teacher, _unwrapped)
+    with torch.no_grad():  # the teacher first, through its own wrapper
+        h_t = _hf_wrappers.run_through(t_wrapper, t_inner, _final_hidden_states, t_inner, input_ids,
+                                       attention_mask)[:, :-1]
+    w_t = u_t.weight.detach()
+    bias_t = None if u_t.bias is None else u_t.bias.detach()
+
+    def student_loss(input_ids, attention_mask):  # the student's forward, inside its wrapper
+        h_s = _final_hidden_states(s_inner, input_ids, attention_mask)[:, :-1]
+        w_s, wt, b_t = u_s.weight, w_t, bias_t
+        if distributed.is_dtensor(wt) and not distributed.is_dtensor(w_s):
+            with torch.no_grad():  # a sharded teacher beside a whole student's lm_head: the teacher's is gathered
+                wt = wt.full_tensor()
+                b_t = b_t.full_tensor() if distributed.is_dtensor(b_t) else b_t
+        if distributed.is_dtensor(w_s) and w_s.dtype != h_s.dtype:
+            w_s = w_s.to(h_s.dtype)  # FSDP2 mixed precision: float32 shards, 16-bit activations
+        options = dict(temperature=temperature, reduction=reduction, labels=targets, ignore_index=ignore_index,
+                       ce_weight=ce_weight, vocab_size=vocab_size, bias_s=u_s.bias,
+                       bias_t=None if b_t is None else b_t.to(h_s.dtype), logit_scale_s=u_s.scale,
+                       logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap,
+                       grad_in_forward=grad_in_forward, grad_chunk_mib=grad_chunk_mib)
+        if loss == "jsd":
+            return jsd(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), beta=beta, **options)
+        fn = forward_kl if loss == "forward_kl" else reverse_kl
+        return fn(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), **options)
+
+    return _hf_wrappers.run_through(s_wrapper, s_inner, student_loss, input_ids, attention_mask)
 
 
 def teacher_topk(teacher, input_ids: Tensor, k: int, *, attention_mask: Tensor | None = None,
@@ -262,7 +311,10 @@ def teacher_topk(teacher, input_ids: Tensor, k: int, *, attention_mask: Tensor |
     u = unembedding(teacher)
     if check:
         _check_against_own_logits(teacher, u, input_ids)
+    wrapper, inner = _hf_wrappers.split(teacher, _unwrapped)
     with torch.no_grad():
-        h = _final_hidden_states(teacher, input_ids, attention_mask)[:, :-1]
-        return topk_logprobs(h, u.weight.to(h.dtype), k, temperature=temperature, bias=u.bias, logit_scale=u.scale,
+        h = _hf_wrappers.run_through(wrapper, inner, _final_hidden_states, inner, input_ids, attention_mask)[:, :-1]
+        # A sharded lm_head is gathered: the top-K walk takes whole weights.
+        weight, bias = (t.full_tensor() if distributed.is_dtensor(t) else t for t in (u.weight, u.bias))
+        return topk_logprobs(h, weight.to(h.dtype), k, temperature=temperature, bias=bias, logit_scale=u.scale,
                              softcap=u.softcap, vocab_size=vocab_size, return_stats=return_stats)

@@ -1,0 +1,144 @@
+"""nitrobrew.hf.distillation_loss on models wrapped in DistributedDataParallel or sharded with FSDP2, over two
+gloo ranks on CPU (float64), each rank with its own tokens: the loss and every student parameter's gradient
+equal the single-process result (each rank's loss from the plain models' own logits, the gradients averaged
+over the ranks as DDP and FSDP2 average them, or the rank's own for a plain student). The vocabulary (96 rows over 2 ranks, and 67 rows: shards of 34
+and 33) is sharded with the lm_head. Skipped without transformers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nitrobrew
+
+pytest.importorskip("transformers")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from rank_processes import run_on_ranks  # noqa: E402
+from test_hf import reference_loss, tiny  # noqa: E402
+
+WORLD = 2
+# (student's wrapping, teacher's wrapping). fsdp2: the layers and the root sharded (lm_head in the root's group,
+# as fully_shard(model) leaves it); fsdp2_head: lm_head (with the input embedding when tied) a unit of its own,
+# the zero-gather layout.
+LAYOUTS = [("fsdp2", "fsdp2"), ("fsdp2_head", "fsdp2_head"), ("fsdp2", "plain"), ("ddp", "fsdp2"), ("ddp", "plain"),
+           ("plain", "fsdp2_head")]
+
+
+def _wrap(model, layout):
+    if layout == "plain":
+        return model
+    if layout == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if layout == "fsdp2_head":
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        fully_shard([embed, head] if head.weight is embed.weight else head)
+    fully_shard(model)
+    return model
+
+
+def _grads(model):
+    """{name: the whole gradient} of a wrapped model's parameters (an FSDP2 shard's gathered)."""
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    out = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return out
+
+
+def _batch(rank, vocab):
+    g = torch.Generator().manual_seed(100 + rank)
+    input_ids = torch.randint(0, vocab, (2, 9), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 6:] = 0
+    labels = input_ids.clone()
+    labels[:, :3] = -100  # the prompt
+    labels[attention_mask == 0] = -100
+    return input_ids, attention_mask, labels
+
+
+def _matches_single_process(rank, world, family, vocab):
+    import torch.distributed as dist
+
+    input_ids, attention_mask, labels = _batch(rank, vocab)
+    for s_layout, t_layout in LAYOUTS:
+        for loss, ce_weight in (("forward_kl", 0.5), ("jsd", 0.0)):
+            def models():
+                return tiny(family, hidden=32, vocab=vocab).double(), tiny(family, hidden=48, vocab=vocab, seed=1).double()
+
+            ref_student, ref_teacher = models()
+            ref = reference_loss(ref_student, ref_teacher, input_ids, attention_mask=attention_mask, labels=labels,
+                                 loss=loss, ce_weight=ce_weight)
+            ref.backward()
+            ref_grads = {}
+            for name, p in ref_student.named_parameters():  # averaged over the ranks, but by a plain student
+                if s_layout != "plain":
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                ref_grads[name] = p.grad
+            student, teacher = (_wrap(m, layout) for m, layout in zip(models(), (s_layout, t_layout)))
+            for step in range(2):  # the first step checks the models against their own logits
+                for p in student.parameters():
+                    p.grad = None
+                value = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask,
+                                                       labels=labels, loss=loss, ce_weight=ce_weight)
+                value.backward()
+                where = f"{family} V={vocab} {s_layout}/{t_layout} {loss} step {step} rank {rank}"
+                torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-9, atol=1e-12, msg=where)
+                grads = _grads(student)
+                assert grads.keys() == ref_grads.keys(), where
+                for name, g in ref_grads.items():
+                    torch.testing.assert_close(grads[name], g, rtol=1e-7, atol=1e-10,
+                                               msg=lambda m, name=name: f"{where} {name}: {m}")
+            assert not any(p.grad is not None for p in teacher.parameters()), where
+
+
+@pytest.mark.parametrize("family,vocab", [("llama", 67), ("qwen2", 96), ("gemma2", 67)])
+def test_loss_and_gradients_equal_the_single_process_ones(family, vocab):
+    """Llama (untied), Qwen2 (tied embeddings) and Gemma-2 (tied, soft-cap): every pairing of FSDP2, DDP and
+    plain models in LAYOUTS, forward KL with cross-entropy and JSD, a masked prompt and padding."""
+    run_on_ranks(WORLD, _matches_single_process, family, vocab)
+
+
+def _refuses_unsharded_roots(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    student = tiny("llama", hidden=32).double()
+    for layer in student.model.layers:
+        fully_shard(layer)
+    input_ids, attention_mask, _ = _batch(rank, 96)
+    with pytest.raises(ValueError, match="not fully_shard-ed itself.*shard the root"):
+        nitrobrew.hf.distillation_loss(student, tiny("llama", hidden=48).double(), input_ids,
+                                       attention_mask=attention_mask)
+
+
+def test_layers_sharded_without_the_root_are_refused():
+    run_on_ranks(WORLD, _refuses_unsharded_roots)
+
+
+def _catches_an_unknown_transform_on_every_rank(rank, world):
+    student = _wrap(tiny("llama", hidden=32).double(), "fsdp2_head")
+    teacher = tiny("llama", hidden=48).double()
+    # A logit transform nitrobrew cannot know: an offset of the logits, on the sharded teacher's lm_head.
+    teacher.lm_head.register_forward_hook(lambda module, args, out: out + 1.5)
+    teacher = _wrap(teacher, "fsdp2_head")
+    input_ids, attention_mask, _ = _batch(rank, 96)
+    # The sharded student passes its check (each rank on its rows of the vocabulary); the teacher fails on every
+    # rank together, with the largest error of any rank.
+    with pytest.raises(ValueError, match="LlamaForCausalLM: its logits are not.*max difference 1.5"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask)
+
+
+def test_the_check_runs_on_sharded_models():
+    run_on_ranks(WORLD, _catches_an_unknown_transform_on_every_rank)
