@@ -46,6 +46,20 @@ def test_remote_teacher(tmp_path, extra):
     assert (tmp_path / "loss.csv").exists()
 
 
+@pytest.mark.parametrize("layouts", [[], ["--student", "ddp", "--teacher", "plain", "--loss", "jsd"]],
+                         ids=["fsdp2", "ddp"])
+def test_distill_fsdp2(tmp_path, layouts):
+    # Two CPU processes over gloo, launched as users launch it (torchrun); every rank asserts the held-out KL fell.
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "distill_fsdp2.py"), "--device", "cpu", *layouts, "--out", str(tmp_path),
+               "--quiet"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "held-out KL(teacher || student)" in result.stdout and (tmp_path / "loss.csv").exists()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_offline_topk(tmp_path, dtype):
     # Pass 1 writes safetensors shards of the teacher's top-K, pass 2 trains from them; --check asserts the
