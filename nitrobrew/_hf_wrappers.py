@@ -39,11 +39,21 @@ def is_ddp(model) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
-def split(model, unwrap):
-    """(the module to call, the transformers model inside): (ddp, its model) for DDP, else (model, model), the
-    model found by `unwrap` (torch.compile's and PEFT's wrappers). Raises for layouts nitrobrew.hf cannot run."""
+def unwrapped(model):
+    """The transformers model under DistributedDataParallel's, torch.compile's and PEFT's wrappers (FSDP2 does
+    not wrap: a fully_shard-ed model is the model, its class swapped)."""
+    if is_ddp(model):
+        model = model.module
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def split(model):
+    """(the module to call, the transformers model inside): (ddp, its model) for DDP, else (model, model), under
+    torch.compile's and PEFT's wrappers. Raises for layouts nitrobrew.hf cannot run."""
     wrapper = model
-    inner = unwrap(model.module if is_ddp(model) else model)
+    inner = unwrapped(model)
     if not is_ddp(model) and not is_fsdp(inner) and _fsdp_module_class() is not None and any(
             is_fsdp(m) for m in inner.modules()):
         raise ValueError(f"{type(inner).__name__} has fully_shard-ed submodules but is not fully_shard-ed itself: "

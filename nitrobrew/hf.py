@@ -103,13 +103,7 @@ def unembedding(model) -> Unembedding:
                        softcap=_config_number(config, "final_logit_softcapping"))
 
 
-def _unwrapped(model):
-    """The transformers model under DistributedDataParallel's, torch.compile's and PEFT's wrappers."""
-    if _hf_wrappers.is_ddp(model):
-        model = model.module
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
+_unwrapped = _hf_wrappers.unwrapped
 
 
 def _decoder(model):
@@ -136,7 +130,7 @@ def _check_against_own_logits(model, u: Unembedding, input_ids) -> None:
     against the unembedding applied to its decoder's output (caught by a hook). A sharded lm_head is compared on
     this rank's rows; the ranks of a wrapped model agree on the worst error (all-reduced), so that all raise
     together."""
-    wrapper, inner = _hf_wrappers.split(model, _unwrapped)
+    wrapper, inner = _hf_wrappers.split(model)
     if inner in _CHECKED:
         return
     probe = input_ids[:1, : min(input_ids.shape[1], 8)]
@@ -256,8 +250,8 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
         _check_against_own_logits(student, u_s, input_ids)
         _check_against_own_logits(teacher, u_t, input_ids)
     targets = _scored_positions(input_ids, attention_mask, labels, ignore_index)
-    s_wrapper, s_inner = _hf_wrappers.split(student, _unwrapped)
-    t_wrapper, t_inner = _hf_wrappers.split(teacher, _unwrapped)
+    s_wrapper, s_inner = _hf_wrappers.split(student)
+    t_wrapper, t_inner = _hf_wrappers.split(teacher)
     with torch.no_grad():  # the teacher first, through its own wrapper
         h_t = _hf_wrappers.run_through(t_wrapper, t_inner, _final_hidden_states, t_inner, input_ids,
                                        attention_mask)[:, :-1]
@@ -311,7 +305,7 @@ def teacher_topk(teacher, input_ids: Tensor, k: int, *, attention_mask: Tensor |
     u = unembedding(teacher)
     if check:
         _check_against_own_logits(teacher, u, input_ids)
-    wrapper, inner = _hf_wrappers.split(teacher, _unwrapped)
+    wrapper, inner = _hf_wrappers.split(teacher)
     with torch.no_grad():
         h = _hf_wrappers.run_through(wrapper, inner, _final_hidden_states, inner, input_ids, attention_mask)[:, :-1]
         # A sharded lm_head is gathered: the top-K walk takes whole weights.

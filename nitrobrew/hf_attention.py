@@ -22,6 +22,7 @@ import sys
 import torch
 from torch import Tensor
 
+from nitrobrew import _hf_wrappers
 from nitrobrew.attention_kl import attention_kl
 
 __all__ = ["CapturedAttention", "capture_attention", "attention_distillation_loss"]
@@ -45,7 +46,7 @@ class capture_attention:  # noqa: N801 - used as a context manager, like torch.n
     implementation is restored on exit."""
 
     def __init__(self, model, layers):
-        self.model = getattr(model, "_orig_mod", model)
+        self.model = _hf_wrappers.unwrapped(model)  # DDP's, torch.compile's and PEFT's wrappers
         self.wanted = set(int(i) for i in layers)
         self.layers: dict[int, CapturedAttention] = {}
         self.base = None

@@ -142,3 +142,61 @@ def _catches_an_unknown_transform_on_every_rank(rank, world):
 
 def test_the_check_runs_on_sharded_models():
     run_on_ranks(WORLD, _catches_an_unknown_transform_on_every_rank)
+
+
+def _teacher_topk_matches(rank, world):
+    input_ids, attention_mask, _ = _batch(rank, 67)
+    plain = tiny("qwen2", hidden=48, vocab=67, seed=1).double()
+    expected = nitrobrew.hf.teacher_topk(plain, input_ids, 5, attention_mask=attention_mask, return_stats=True)
+    for layout in ("fsdp2", "fsdp2_head", "ddp"):
+        teacher = _wrap(tiny("qwen2", hidden=48, vocab=67, seed=1).double(), layout)
+        got = nitrobrew.hf.teacher_topk(teacher, input_ids, 5, attention_mask=attention_mask, return_stats=True)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{layout} rank {rank}")
+
+
+def test_teacher_topk_on_sharded_and_ddp_teachers():
+    """teacher_topk of a wrapped teacher (its sharded lm_head gathered) equals the plain teacher's."""
+    run_on_ranks(WORLD, _teacher_topk_matches)
+
+
+def _attention_loss_matches(rank, world):
+    import torch.distributed as dist
+
+    input_ids, attention_mask, labels = _batch(rank, 96)
+    layer_map = {0: 1, 1: 0}
+
+    def step(student, teacher):
+        with nitrobrew.hf.capture_attention(student, layer_map.keys()) as s, \
+                nitrobrew.hf.capture_attention(teacher, layer_map.values()) as t:
+            logit_loss = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask,
+                                                        labels=labels)
+        return logit_loss + 0.5 * nitrobrew.hf.attention_distillation_loss(s, t, layer_map,
+                                                                           attention_mask=attention_mask)
+
+    def models():
+        return tiny("llama", hidden=32).double(), tiny("llama", hidden=32, seed=1).double()
+
+    ref_student, ref_teacher = models()
+    ref = step(ref_student, ref_teacher)
+    ref.backward()
+    ref_grads = {}
+    for name, p in ref_student.named_parameters():
+        dist.all_reduce(p.grad)
+        ref_grads[name] = p.grad / world
+    for layout in ("fsdp2", "ddp"):
+        student, teacher = models()
+        student, teacher = _wrap(student, layout), _wrap(teacher, "fsdp2")
+        value = step(student, teacher)
+        value.backward()
+        torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-9, atol=1e-12, msg=f"{layout} rank {rank}")
+        grads = _grads(student)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-7, atol=1e-10, msg=f"{layout} {name} rank {rank}")
+
+
+def test_attention_distillation_on_sharded_and_ddp_models():
+    """The attention-map KL (queries and keys captured while distillation_loss runs the decoders inside their
+    wrappers) plus the logit loss: values and gradients equal the single-process ones under FSDP2 and DDP."""
+    run_on_ranks(WORLD, _attention_loss_matches)
