@@ -87,3 +87,58 @@ def _gkd_losses_match(rank, world, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_gkd_trainer_loss_equals_trl_s_on_sharded_and_ddp_students(family):
     run_on_ranks(WORLD, _gkd_losses_match, family)
+
+
+def _distillation_losses_match(rank, world):
+    import collections
+
+    import torch.distributed as dist
+    from accelerate.utils import extract_model_from_parallel
+    from trl import DistillationTrainer as TRLDistillationTrainer
+    from trl.trainer.distillation_trainer import _ForwardRedirection
+
+    from nitrobrew.trl import DistillationTrainer
+
+    def gather_for_metrics(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.stack(parts)
+
+    vocab = 67
+    input_ids, attention_mask, _ = _batch(rank, vocab)
+    inputs = dict(prompt_ids=input_ids[:, :4], prompt_mask=attention_mask[:, :4], completion_ids=input_ids[:, 4:],
+                  completion_mask=attention_mask[:, 4:])
+    for s_layout, t_layout in (("fsdp2", "fsdp2"), ("ddp", "plain")):
+        student = tiny("llama", hidden=32, vocab=vocab).double()
+        teacher = tiny("llama", hidden=48, vocab=vocab, seed=1).double().eval()
+        student = _accelerate_fsdp2(student) if s_layout == "fsdp2" else torch.nn.parallel.DistributedDataParallel(student)
+        teacher = _trl_teacher_fsdp2(teacher) if t_layout == "fsdp2" else teacher
+        results = []
+        for trainer in (TRLDistillationTrainer, DistillationTrainer):
+            accelerator = types.SimpleNamespace(unwrap_model=extract_model_from_parallel, num_processes=world,
+                                                gather_for_metrics=gather_for_metrics, is_main_process=rank == 0)
+            state = types.SimpleNamespace(model=student, teacher_model=teacher, beta=0.5, temperature=1.5,
+                                          model_kwarg_keys=(), _is_vlm=False, accelerator=accelerator,
+                                          _forward_redirection=_ForwardRedirection(),
+                                          _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+            state._get_last_hidden_state = types.MethodType(TRLDistillationTrainer._get_last_hidden_state, state)
+            state._compute_loss = types.MethodType(trainer._compute_loss, state)
+            for p in student.parameters():
+                p.grad = None
+            value = TRLDistillationTrainer.compute_loss(state, student, inputs)
+            value.backward()
+            results.append((value.detach(), _grads(student)))
+        (theirs, their_grads), (ours, our_grads) = results
+        where = f"{s_layout}/{t_layout} rank {rank}: ours {ours.item():.12g}, TRL's {theirs.item():.12g}"
+        # TRL's chunked divergence rounds through float32 (test_hf.py holds it to the same tolerances).
+        torch.testing.assert_close(ours.double(), theirs.double(), rtol=2e-4, atol=2e-6, msg=where)
+        assert our_grads.keys() == their_grads.keys(), where
+        for name, g in their_grads.items():
+            torch.testing.assert_close(our_grads[name].double(), g.double(), rtol=2e-4, atol=2e-5,
+                                       msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
+def test_distillation_trainer_loss_equals_trl_s_on_sharded_and_ddp_students():
+    """nitrobrew.trl.DistillationTrainer (TRL's compute_loss, which runs _compute_loss inside the student's
+    wrapper, with nitrobrew's divergence swapped in) against TRL's own on the same wrapped models."""
+    run_on_ranks(WORLD, _distillation_losses_match)
