@@ -54,6 +54,10 @@ PAIRS = {
              "student": (896, 24, 14, 2, 4864), "teacher": (1536, 28, 12, 2, 8960)},
     "llama": {"config": "LlamaConfig", "vocab": 128256, "tied": False, "rope_theta": 5e5,  # layers: --llama-layers
               "student": (4096, None, 32, 8, 14336), "teacher": (8192, None, 64, 8, 28672)},
+    # Qwen2.5-0.5B <- 7B shapes (fsdp2_step.py). One vocabulary of the 0.5B's 151936 rows for both: the real
+    # 7B's lm_head has 152064, padding rows past the tokenizer's 151665 tokens that no loss reads.
+    "qwen7b": {"config": "Qwen2Config", "vocab": 151936, "tied": True, "rope_theta": 1e6,
+               "student": (896, 24, 14, 2, 4864), "teacher": (3584, 28, 28, 4, 18944)},
 }
 # Init std 0.1 gives hidden 64 logits of std ~1, as 0.02 does the real sizes: a KL far from 0 to check.
 TINY = {"vocab": 1000, "std": 0.1, "student": (64, 2, 4, 2, 128), "teacher": (96, 2, 6, 2, 192)}
@@ -97,12 +101,14 @@ METHODS = {"nitrobrew": loss_nitrobrew, "nitrobrew_recompute": loss_nitrobrew_re
 DEFAULT_METHODS = ["nitrobrew", "logits", "liger"]
 
 
-def build(name, role, args, device, tied=None):
-    """A randomly initialized model of the pair (tied: override the pair's tied embeddings)."""
+def build(name, role, args, device, tied=None, layers=None):
+    """A randomly initialized model of the pair (tied: override the pair's tied embeddings; layers: its decoder
+    layers)."""
     import transformers
 
     pair = PAIRS[name]
-    hidden, layers, heads, kv_heads, intermediate = (TINY if args.tiny else pair)[role]
+    hidden, pair_layers, heads, kv_heads, intermediate = (TINY if args.tiny else pair)[role]
+    layers = layers or pair_layers
     config = getattr(transformers, pair["config"])(
         vocab_size=TINY["vocab"] if args.tiny else pair["vocab"], hidden_size=hidden,
         num_hidden_layers=layers or args.llama_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -318,7 +324,7 @@ def summarize(rows):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", choices=list(PAIRS), default=list(PAIRS))
+    p.add_argument("--model", nargs="+", choices=list(PAIRS), default=["qwen", "llama"])
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
     p.add_argument("--tokens", type=int, nargs="+", help="default 4096 ... 131072 (--tiny: 64 128)")
     p.add_argument("--rounds", type=int, default=3)

@@ -31,6 +31,8 @@
 #                HF_METHODS, HF_TOKENS)
 #   bench_vocab_parallel  the vocabulary-parallel loss on every GPU of the machine (benchmarks/vocab_parallel.py)
 #   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
+#   fsdp2_hf     nitrobrew.hf on FSDP2 students and teachers on every GPU, Qwen 0.5B <- 1.5B and <- 7B (issue 44)
+#   test_hf_distributed  the FSDP2/DDP tests of nitrobrew.hf and nitrobrew.trl and the distill_fsdp2 example (gloo)
 #   test_distributed  the distributed tests' CUDA cases (on one GPU: NCCL over 1 rank, gloo over 2 to 4 sharing it)
 #   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
@@ -145,6 +147,16 @@ for step in $steps; do
     fsdp2_step) gpus=$(nvidia-smi -L | wc -l)
                 run fsdp2_step python3 benchmarks/fsdp2_step.py --gpus $(printf '%s\n' 2 "$gpus" | sort -nu) \
                   --out "$OUT/fsdp2_step_${gpus}gpu.csv" ;;
+    # Issue 44: nitrobrew.hf on FSDP2 students and teachers, on every GPU of the machine, both pairs, against the
+    # models' own logits; tokens a rank rising until a method runs out of memory (FSDP2_TOKENS).
+    fsdp2_hf) gpus=$(nvidia-smi -L | wc -l)
+              for pair in qwen qwen7b; do
+                run "fsdp2_hf_$pair" python3 benchmarks/fsdp2_step.py --gpus "$gpus" --pair "$pair" --teacher-layout fsdp2 \
+                  --methods nitrobrew_hf logits --tokens ${FSDP2_TOKENS:-4096 16384 32768 65536} \
+                  --out "$OUT/fsdp2_hf_${pair}_${gpus}gpu.csv"
+              done ;;
+    test_hf_distributed) run test_hf_distributed python3 -m pytest -q -p no:cacheprovider tests/hf/test_hf_distributed.py \
+                           tests/hf/test_trl_distributed.py tests/test_examples.py -k "distributed or fsdp2" ;;
     test_distributed) run test_distributed python3 -m pytest tests/distributed -q -k cuda -p no:cacheprovider ;;
     test_multi_gpu) run test_multi_gpu env NCCL_DEBUG=WARN NITROBREW_RANK_WATCHDOG_S=${NITROBREW_RANK_WATCHDOG_S:-240} \
                       python3 -m pytest tests/distributed -v -p no:cacheprovider ;;
