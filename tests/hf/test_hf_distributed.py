@@ -200,3 +200,39 @@ def test_attention_distillation_on_sharded_and_ddp_models():
     """The attention-map KL (queries and keys captured while distillation_loss runs the decoders inside their
     wrappers) plus the logit loss: values and gradients equal the single-process ones under FSDP2 and DDP."""
     run_on_ranks(WORLD, _attention_loss_matches)
+
+
+def _mixed_precision_runs(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    input_ids, attention_mask, labels = _batch(rank, 96)
+    ref_student, ref_teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=1)
+    ref = reference_loss(ref_student, ref_teacher, input_ids, attention_mask=attention_mask, labels=labels)
+    ref.backward()
+    for p in ref_student.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48, seed=1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in student.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(student.lm_head, mp_policy=policy)
+    fully_shard(student, mp_policy=policy)
+    teacher = _wrap(teacher, "fsdp2")
+    value = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask, labels=labels)
+    value.backward()
+    # bf16 activations and weights inside the forward: the loss and gradients to bf16's precision.
+    torch.testing.assert_close(value.detach().double(), ref.detach().double(), rtol=3e-2, atol=1e-3)
+    grads = _grads(student)
+    for name, p in ref_student.named_parameters():
+        g = grads[name].double()
+        assert g.dtype == torch.float64 and grads[name].dtype == torch.float32, name  # the float32 master's
+        err = (g - p.grad.double()).norm() / p.grad.double().norm().clamp(min=1e-12)
+        assert err < 5e-2, f"{name}: relative error {err:.3g} rank {rank}"
+
+
+def test_fsdp2_mixed_precision_student():
+    """FSDP2's MixedPrecisionPolicy (bf16 parameters in the forward, float32 shards and reductions): the sharded
+    float32 lm_head is cast to the activations' dtype; the loss and gradients match float32 to bf16's precision."""
+    run_on_ranks(WORLD, _mixed_precision_runs)
