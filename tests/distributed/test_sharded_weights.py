@@ -44,11 +44,11 @@ def test_fsdp2_tiny_llama():
     run_on_ranks(2, cases.fsdp2_tiny_llama)
 
 
-def test_hf_refuses_fsdp2_models_with_a_clear_error():
+def test_hf_refuses_tensor_parallel_lm_heads_with_a_clear_error():
     pytest.importorskip("transformers")
     import sharded_weight_cases as cases
 
-    run_on_ranks(2, cases.hf_refuses_fsdp2)
+    run_on_ranks(2, cases.hf_refuses_tensor_parallel_lm_heads)
 
 
 def test_fsdp2_a_bad_batch_on_one_rank_raises_on_every_rank():
