@@ -1,10 +1,10 @@
 """Distill a Hugging Face causal LM on several processes with FSDP2 (or DDP) and nitrobrew.hf.
 
 Every rank holds a shard of the student and of the teacher (FSDP2's fully_shard on each decoder layer, on the
-lm_head as a unit of its own where the embeddings are untied, and on the root) and trains on its own batches.
+tied embedding and lm_head as one unit, and on the root) and trains on its own batches.
 `nitrobrew.hf.distillation_loss` runs each model's decoder inside its FSDP2 forward and computes the loss on
-the lm_heads' shards, without gathering them and without any rank forming the [batch x tokens x vocab]
-logits (docs/hf.md). The teacher is a random model with sharp next-token distributions; the student learns
+the lm_heads' shards: no rank forms the [batch x tokens x vocab] logits, and nitrobrew gathers no lm_head (FSDP2
+gathers these tied ones for the embeddings; an untied lm_head as a unit of its own is never gathered, docs/hf.md). The teacher is a random model with sharp next-token distributions; the student learns
 to match them. Rank 0 shows a progress bar, writes the loss log, and checks that the held-out KL fell.
 
     torchrun --nproc-per-node 2 examples/distill_fsdp2.py                       # CPU over gloo (the CI smoke run)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--student", default="fsdp2", choices=["fsdp2", "ddp", "plain"])
+    parser.add_argument("--student", default="fsdp2", choices=["fsdp2", "ddp"])
     parser.add_argument("--teacher", default="fsdp2", choices=["fsdp2", "plain"])
     parser.add_argument("--teacher-layers", type=int, default=None, help="fewer teacher layers (memory)")
     parser.add_argument("--loss", default="forward_kl", choices=["forward_kl", "reverse_kl", "jsd"])

@@ -39,23 +39,44 @@ def is_ddp(model) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+def chain(model) -> list:
+    """The model and the wrappers around it, outermost first: DistributedDataParallel, torch.compile's
+    OptimizedModule and PEFT's PeftModel, in any order and nesting (accelerate compiles, then shards or wraps in
+    DDP; TRL shards a PeftModel). FSDP2 does not wrap: a fully_shard-ed module is itself, its class swapped."""
+    modules = [model]
+    while True:
+        m = modules[-1]
+        if is_ddp(m):
+            nxt = m.module
+        elif isinstance(getattr(m, "_orig_mod", None), torch.nn.Module):  # torch.compile
+            nxt = m._orig_mod
+        elif callable(getattr(m, "get_base_model", None)):  # peft.PeftModel
+            nxt = m.get_base_model()
+        else:
+            return modules
+        if nxt is m:
+            return modules
+        modules.append(nxt)
+
+
 def unwrapped(model):
-    """The transformers model under DistributedDataParallel's, torch.compile's and PEFT's wrappers (FSDP2 does
-    not wrap: a fully_shard-ed model is the model, its class swapped)."""
-    if is_ddp(model):
-        model = model.module
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
+    """The transformers model under every wrapper of `chain`."""
+    return chain(model)[-1]
+
+
+def sharded(model) -> bool:
+    """Whether FSDP2 manages any module of the model (its wrappers included)."""
+    return _fsdp_module_class() is not None and any(is_fsdp(m) for m in model.modules())
 
 
 def split(model):
-    """(the module to call, the transformers model inside): (ddp, its model) for DDP, else (model, model), under
-    torch.compile's and PEFT's wrappers. Raises for layouts nitrobrew.hf cannot run."""
-    wrapper = model
-    inner = unwrapped(model)
-    if not is_ddp(model) and not is_fsdp(inner) and _fsdp_module_class() is not None and any(
-            is_fsdp(m) for m in inner.modules()):
+    """(the module whose forward nitrobrew.hf runs through, the transformers model inside): the outermost DDP
+    module or FSDP2 root of the model's wrapper chain, else the model itself. Raises for layouts nitrobrew.hf
+    cannot run."""
+    modules = chain(model)
+    inner = modules[-1]
+    wrapper = next((m for m in modules if is_ddp(m) or is_fsdp(m)), inner)
+    if not is_ddp(wrapper) and not is_fsdp(wrapper) and sharded(inner):
         raise ValueError(f"{type(inner).__name__} has fully_shard-ed submodules but is not fully_shard-ed itself: "
                          f"nitrobrew.hf runs the decoder inside the root's forward, so shard the root too "
                          f"(fully_shard(model) after its layers, as accelerate does)")
@@ -70,38 +91,46 @@ def run_through(wrapper, inner, fn, *args, **kwargs):
     """fn(*args, **kwargs) run as the wrapper's forward: under FSDP2 as a registered forward method of the root
     (its parameters gathered before, resharded after, as in a forward), under DDP as the DDP module's forward (the
     module's forward swapped for fn during one call of the wrapper), else a plain call."""
-    if is_fsdp(inner) and wrapper is inner:
-        if "_nitrobrew_run" not in vars(inner):
+    if is_fsdp(wrapper):
+        if "_nitrobrew_run" not in vars(wrapper):
             try:
                 from torch.distributed.fsdp import register_fsdp_forward_method
             except ImportError:  # torch < 2.6
                 from torch.distributed._composable.fsdp import register_fsdp_forward_method
-            inner._nitrobrew_run = types.MethodType(_run, inner)
-            register_fsdp_forward_method(inner, "_nitrobrew_run")
-        return inner._nitrobrew_run(fn, *args, **kwargs)
+            wrapper._nitrobrew_run = types.MethodType(_run, wrapper)
+            register_fsdp_forward_method(wrapper, "_nitrobrew_run")
+        return wrapper._nitrobrew_run(fn, *args, **kwargs)
     if is_ddp(wrapper):
         module = wrapper.module
+        had_own = "forward" in vars(module)  # accelerate's mixed precision sets one
         original = module.forward
 
+        def restore():
+            if had_own:
+                module.forward = original
+            else:
+                vars(module).pop("forward", None)
+
         def forward(*a, **k):
-            module.forward = original
+            restore()
             return fn(*a, **k)
 
         module.forward = forward
         try:
             return wrapper(*args, **kwargs)
         finally:
-            module.forward = original
+            restore()
     return fn(*args, **kwargs)
 
 
-def managed_param(inner, module, name: str):
+def managed_param(model, module, name: str):
     """The parameter `module.<name>` as FSDP2 keeps it between forwards (its Shard(0) DTensor, also while an
-    unsharded copy is registered), or what the module holds for a model FSDP2 does not manage."""
+    unsharded copy is registered), or what the module holds for a model FSDP2 does not manage. `model`: the
+    model as passed, its wrappers included (the FSDP2 root may be one of them)."""
     current = getattr(module, name, None)
-    if not is_fsdp(inner):
+    if not sharded(model):
         return current
-    for m in inner.modules():
+    for m in model.modules():
         if not is_fsdp(m):
             continue
         state = m._get_fsdp_state()
@@ -128,9 +157,15 @@ def _is_dtensor(t) -> bool:
 
 
 def check_group(wrapper, weight):
-    """The group whose ranks check a model together (each its own rows or tokens), or None for a plain model."""
+    """The group whose ranks check a model together (each its own rows or tokens), or None for a plain model:
+    a sharded lm_head's mesh (every rank, for the 2-D meshes of HSDP), or DDP's group."""
     if _is_dtensor(weight):
-        return weight.device_mesh.get_group()
+        mesh = weight.device_mesh
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        import torch.distributed as dist
+
+        return dist.group.WORLD
     if is_ddp(wrapper):
         return wrapper.process_group
     return None

@@ -72,9 +72,9 @@ def unembedding(model) -> Unembedding:
     its output embedding's weight and bias, and the family's logit transform read from its config
     (`final_logit_softcapping`, `logit_scale`, `logits_scaling`). Raises a ValueError for a model
     without a linear output embedding."""
-    model = _unwrapped(model)
+    outer, model = model, _unwrapped(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = _hf_wrappers.managed_param(model, head, "weight") if head is not None else None
+    weight = _hf_wrappers.managed_param(outer, head, "weight") if head is not None else None
     if hasattr(weight, "ds_id") or hasattr(weight, "ds_numel"):
         raise NotImplementedError(
             f"{type(model).__name__}'s lm_head weight is partitioned by DeepSpeed ZeRO-3, which nitrobrew.hf cannot "
@@ -82,7 +82,7 @@ def unembedding(model) -> Unembedding:
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"{type(model).__name__} has no linear output embedding (lm_head) whose weight nitrobrew "
                          f"can read; got {type(head).__name__}")
-    if distributed.is_dtensor(weight) and not _hf_wrappers.is_fsdp(model):
+    if distributed.is_dtensor(weight) and not _hf_wrappers.sharded(outer):
         raise NotImplementedError(
             f"{type(model).__name__}'s lm_head weight is a DTensor outside FSDP2 (tensor parallelism): nitrobrew.hf "
             f"does not take tensor-parallel models. Run the decoders and pass their last hidden states and the DTensor "
@@ -98,7 +98,7 @@ def unembedding(model) -> Unembedding:
         scaling = _config_number(config, "logits_scaling")
         if scaling is not None:
             scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1.0 / scaling
-    return Unembedding(weight=weight, bias=_hf_wrappers.managed_param(model, head, "bias"),
+    return Unembedding(weight=weight, bias=_hf_wrappers.managed_param(outer, head, "bias"),
                        scale=1.0 if scale is None else scale,
                        softcap=_config_number(config, "final_logit_softcapping"))
 
@@ -258,11 +258,18 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     w_t = u_t.weight.detach()
     bias_t = None if u_t.bias is None else u_t.bias.detach()
 
+    if distributed.is_dtensor(u_s.weight) and u_s.weight.device_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"the student's lm_head is sharded over a {u_s.weight.device_mesh.ndim}-D device mesh (HSDP, or FSDP2 with "
+            f"tensor parallelism): nitrobrew.hf takes FSDP2 over a 1-D mesh (fully_shard with its default mesh). A "
+            f"teacher may use any mesh: its lm_head is gathered")
+    _warn_if_autocast_is_skipped(student)
+
     def student_loss(input_ids, attention_mask):  # the student's forward, inside its wrapper
         h_s = _final_hidden_states(s_inner, input_ids, attention_mask)[:, :-1]
         w_s, wt, b_t = u_s.weight, w_t, bias_t
-        if distributed.is_dtensor(wt) and not distributed.is_dtensor(w_s):
-            with torch.no_grad():  # a sharded teacher beside a whole student's lm_head: the teacher's is gathered
+        if _teacher_gathered(w_s, wt):
+            with torch.no_grad():
                 wt = wt.full_tensor()
                 b_t = b_t.full_tensor() if distributed.is_dtensor(b_t) else b_t
         if distributed.is_dtensor(w_s) and w_s.dtype != h_s.dtype:
@@ -278,6 +285,41 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
         return fn(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), **options)
 
     return _hf_wrappers.run_through(s_wrapper, s_inner, student_loss, input_ids, attention_mask)
+
+
+def _teacher_gathered(w_s, w_t) -> bool:
+    """Whether a sharded teacher's lm_head is gathered for the loss: unless the student's is sharded the same way
+    (one 1-D mesh, the same rows), which the DTensor path takes as it is. Beside a whole student's, over another
+    mesh (HSDP, or another mesh object), or with other rows (a padded vocabulary) it is gathered."""
+    if not distributed.is_dtensor(w_t):
+        return False
+    return not (distributed.is_dtensor(w_s) and w_t.device_mesh.ndim == 1 and w_t.device_mesh == w_s.device_mesh
+                and w_t.shape[0] == w_s.shape[0] and w_t.placements == w_s.placements)
+
+
+_WARNED_AUTOCAST = False
+
+
+def _autocast_on() -> bool:
+    try:  # torch >= 2.4 takes the device type
+        return any(torch.is_autocast_enabled(device) for device in ("cuda", "cpu", "xpu"))
+    except (TypeError, RuntimeError):
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _warn_if_autocast_is_skipped(model) -> None:
+    """accelerate's mixed precision wraps the prepared model's forward in autocast; nitrobrew.hf runs the decoder
+    without that forward, so the caller must enter autocast itself (once a process)."""
+    global _WARNED_AUTOCAST
+    if _WARNED_AUTOCAST or _autocast_on():
+        return
+    if any(hasattr(m, "_original_forward") for m in _hf_wrappers.chain(model)):
+        import warnings
+
+        _WARNED_AUTOCAST = True
+        warnings.warn("nitrobrew.hf: the student's forward is wrapped for mixed precision (accelerate), which "
+                      "nitrobrew.hf runs around: call distillation_loss under accelerator.autocast() (or torch.autocast) "
+                      "for the forward in 16 bits", stacklevel=3)
 
 
 def teacher_topk(teacher, input_ids: Tensor, k: int, *, attention_mask: Tensor | None = None,

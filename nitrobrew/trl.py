@@ -36,9 +36,12 @@ class GKDTrainer(_TRLGKDTrainer):
         self.teacher_model.eval()
         teacher = self.accelerator.unwrap_model(self.teacher_model)
         per_batch = num_items_in_batch is not None
-        loss = hf.distillation_loss(model, teacher, inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                    labels=inputs["labels"], loss="jsd", beta=self.beta,
-                                    reduction="sum" if per_batch else "mean")
+        # accelerate's mixed precision lives in the prepared model's forward, which nitrobrew.hf runs around.
+        autocast = getattr(self.accelerator, "autocast", None)
+        with autocast() if callable(autocast) else contextlib.nullcontext():
+            loss = hf.distillation_loss(model, teacher, inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                        labels=inputs["labels"], loss="jsd", beta=self.beta,
+                                        reduction="sum" if per_batch else "mean")
         if per_batch:  # the global count of scored tokens (gradient accumulation, several ranks)
             count = num_items_in_batch
             loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)

@@ -52,7 +52,13 @@ def test_distill_fsdp2(tmp_path, layouts):
     # Two CPU processes over gloo, launched as users launch it (torchrun); every rank asserts the held-out KL fell.
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    import socket
+
+    with socket.socket() as free:  # a static rendezvous on a free port (--standalone's c10d one hung once in CI)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--nproc-per-node", "2",
                str(ROOT / "examples" / "distill_fsdp2.py"), "--device", "cpu", *layouts, "--out", str(tmp_path),
                "--quiet"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)

@@ -368,3 +368,22 @@ def test_trl_gkd_trainer_trains_as_trl_s(tmp_path, monkeypatch):
         losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses["trl"]) == 3
     torch.testing.assert_close(torch.tensor(losses["nitrobrew"]), torch.tensor(losses["trl"]), rtol=1e-4, atol=1e-7)
+
+
+def test_a_forward_wrapped_for_mixed_precision_warns(monkeypatch):
+    # accelerate's mixed precision wraps the prepared model's forward (leaving _original_forward), which
+    # nitrobrew.hf runs around: a warning says to enter autocast, unless autocast is on.
+    import warnings
+
+    from nitrobrew import hf
+
+    student, teacher = tiny("llama", hidden=32), tiny("llama", hidden=48)
+    student._original_forward = student.forward
+    input_ids, attention_mask = batch()
+    monkeypatch.setattr(hf, "_WARNED_AUTOCAST", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask)
+    with pytest.warns(UserWarning, match="accelerator.autocast"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask)

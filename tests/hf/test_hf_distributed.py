@@ -236,3 +236,106 @@ def test_fsdp2_mixed_precision_student():
     """FSDP2's MixedPrecisionPolicy (bf16 parameters in the forward, float32 shards and reductions): the sharded
     float32 lm_head is cast to the activations' dtype; the loss and gradients match float32 to bf16's precision."""
     run_on_ranks(WORLD, _mixed_precision_runs)
+
+
+def _wrapper_chains_match(rank, world):
+    """The orders accelerate and TRL wrap in: torch.compile around FSDP2 or DDP, FSDP2 around a compiled model,
+    FSDP2 with a PeftModel as its root."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    input_ids, attention_mask, _ = _batch(rank, 67)
+
+    def models(lora=False):
+        student = tiny("llama", hidden=32, vocab=67).double()
+        if lora:
+            import peft
+
+            student = peft.get_peft_model(student, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                   init_lora_weights=False))
+        return student, tiny("llama", hidden=48, vocab=67, seed=1).double()
+
+    def trainable_grads(model):
+        return {n.replace("base_model.model.", "").replace("_orig_mod.", "").replace("module.", ""): g
+                for n, g in _grads(model).items()}
+
+    for order in ("compile(fsdp2)", "fsdp2(compile)", "compile(ddp)", "fsdp2(peft)"):
+        ref_student, ref_teacher = models(lora=order == "fsdp2(peft)")
+        ref = nitrobrew.hf.distillation_loss(ref_student, ref_teacher, input_ids, attention_mask=attention_mask)
+        ref.backward()
+        want = {}
+        for name, p in trainable_grads(ref_student).items():
+            dist.all_reduce(p)
+            want[name] = p / world
+        student, teacher = models(lora=order == "fsdp2(peft)")
+        if order == "compile(ddp)":
+            student = torch.compile(torch.nn.parallel.DistributedDataParallel(student), backend="eager")
+        else:
+            layers = (student.base_model.model if order == "fsdp2(peft)" else student).model.layers
+            for layer in layers:
+                fully_shard(layer)
+            if order == "compile(fsdp2)":
+                fully_shard(student)
+                student = torch.compile(student, backend="eager")
+            elif order == "fsdp2(compile)":
+                student = torch.compile(student, backend="eager")
+                fully_shard(student)
+            else:
+                fully_shard(student)
+        for step in range(2):
+            for p in student.parameters():
+                p.grad = None
+            value = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask)
+            value.backward()
+            where = f"{order} step {step} rank {rank}"
+            torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-9, atol=1e-12, msg=where)
+            got = trainable_grads(student)
+            assert got.keys() == want.keys(), (where, sorted(got), sorted(want))
+            for name, g in want.items():
+                torch.testing.assert_close(got[name], g, rtol=1e-7, atol=1e-10, msg=f"{where} {name}")
+
+
+def test_wrapper_chains_of_accelerate_and_trl():
+    pytest.importorskip("peft")
+    run_on_ranks(WORLD, _wrapper_chains_match)
+
+
+def _hsdp_and_padded_vocabularies(rank, world):
+    """Over 4 ranks: an HSDP (2 x 2 mesh) teacher beside a plain student and in teacher_topk equals the plain
+    teacher; an HSDP student is refused saying what nitrobrew.hf takes; two FSDP2 lm_heads of different row
+    counts (a padded teacher) give the single-process result (the teacher's is gathered)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    input_ids, attention_mask, _ = _batch(rank, 67)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def hsdp(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    student, teacher = tiny("llama", hidden=32, vocab=67).double(), tiny("llama", hidden=48, vocab=67, seed=1).double()
+    ref = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask)
+    ref_topk = nitrobrew.hf.teacher_topk(teacher, input_ids, 3, attention_mask=attention_mask)
+    sharded_teacher = hsdp(tiny("llama", hidden=48, vocab=67, seed=1).double())
+    got = nitrobrew.hf.distillation_loss(student, sharded_teacher, input_ids, attention_mask=attention_mask)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    for a, b in zip(nitrobrew.hf.teacher_topk(sharded_teacher, input_ids, 3, attention_mask=attention_mask), ref_topk):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="2-D device mesh.*1-D mesh"):
+        nitrobrew.hf.distillation_loss(hsdp(tiny("llama", hidden=32, vocab=67).double()), teacher, input_ids)
+
+    # A teacher padded to 72 rows beside a student of 67, both sharded over the 4 ranks.
+    padded = tiny("llama", hidden=48, vocab=72, seed=1).double()
+    ref_student = tiny("llama", hidden=32, vocab=67).double()
+    ref = nitrobrew.hf.distillation_loss(ref_student, padded, input_ids, attention_mask=attention_mask, vocab_size=67)
+    student, teacher = (_wrap(m, "fsdp2_head") for m in (tiny("llama", hidden=32, vocab=67).double(),
+                                                         tiny("llama", hidden=48, vocab=72, seed=1).double()))
+    got = nitrobrew.hf.distillation_loss(student, teacher, input_ids, attention_mask=attention_mask, vocab_size=67)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_hsdp_teachers_and_padded_vocabularies():
+    run_on_ranks(4, _hsdp_and_padded_vocabularies)
