@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -135,10 +136,17 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "loss.csv").write_text("step,loss\n" + "".join(f"{i},{v:.6f}\n" for i, v in enumerate(losses)))
         print(f"wrote {args.out / 'loss.csv'}")
+    fell = after < 0.7 * before
+    if not fell:
+        print(f"the student's KL to the teacher did not fall enough: {before:.4f} -> {after:.4f}", file=sys.stderr)
+    dist.barrier()
     dist.destroy_process_group()
-    assert after < 0.7 * before, f"the student's KL to the teacher did not fall enough: {before:.4f} -> {after:.4f}"
-    return 0
+    # Leave without the interpreter's teardown: DDP's reducer holds the gloo process group, and destroying it there
+    # (the GIL held) can deadlock on gloo's worker thread, which needs the GIL to free its last work (seen in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if fell else 1)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
