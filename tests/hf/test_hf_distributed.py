@@ -19,7 +19,7 @@ if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from rank_processes import run_on_ranks  # noqa: E402
+from rank_processes import ranks_on_the_gpu, run_on_ranks  # noqa: E402
 from test_hf import reference_loss, tiny  # noqa: E402
 
 WORLD = 2
@@ -68,14 +68,23 @@ def _batch(rank, vocab):
     return input_ids, attention_mask, labels
 
 
-def _matches_single_process(rank, world, family, vocab):
+def _matches_single_process(rank, world, family, vocab, device="cpu"):
+    """On the CPU in float64 (gloo); over NCCL on each rank's GPU in float32 (CUDA runs no float64), to float32's
+    precision."""
     import torch.distributed as dist
 
-    input_ids, attention_mask, labels = _batch(rank, vocab)
+    if device == "cuda":
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.float32
+        tol, grad_tol = dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6)
+    else:
+        device, dtype = torch.device("cpu"), torch.float64
+        tol, grad_tol = dict(rtol=1e-9, atol=1e-12), dict(rtol=1e-7, atol=1e-10)
+    input_ids, attention_mask, labels = (t.to(device) for t in _batch(rank, vocab))
     for s_layout, t_layout in LAYOUTS:
         for loss, ce_weight in (("forward_kl", 0.5), ("jsd", 0.0)):
             def models():
-                return tiny(family, hidden=32, vocab=vocab).double(), tiny(family, hidden=48, vocab=vocab, seed=1).double()
+                return (tiny(family, hidden=32, vocab=vocab).to(device, dtype),
+                        tiny(family, hidden=48, vocab=vocab, seed=1).to(device, dtype))
 
             ref_student, ref_teacher = models()
             ref = reference_loss(ref_student, ref_teacher, input_ids, attention_mask=attention_mask, labels=labels,
@@ -95,12 +104,11 @@ def _matches_single_process(rank, world, family, vocab):
                                                        labels=labels, loss=loss, ce_weight=ce_weight)
                 value.backward()
                 where = f"{family} V={vocab} {s_layout}/{t_layout} {loss} step {step} rank {rank}"
-                torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-9, atol=1e-12, msg=where)
+                torch.testing.assert_close(value.detach(), ref.detach(), **tol, msg=where)
                 grads = _grads(student)
                 assert grads.keys() == ref_grads.keys(), where
                 for name, g in ref_grads.items():
-                    torch.testing.assert_close(grads[name], g, rtol=1e-7, atol=1e-10,
-                                               msg=lambda m, name=name: f"{where} {name}: {m}")
+                    torch.testing.assert_close(grads[name], g, **grad_tol, msg=lambda m, name=name: f"{where} {name}: {m}")
             assert not any(p.grad is not None for p in teacher.parameters()), where
 
 
@@ -109,6 +117,14 @@ def test_loss_and_gradients_equal_the_single_process_ones(family, vocab):
     """Llama (untied), Qwen2 (tied embeddings) and Gemma-2 (tied, soft-cap): every pairing of FSDP2, DDP and
     plain models in LAYOUTS, forward KL with cross-entropy and JSD, a masked prompt and padding."""
     run_on_ranks(WORLD, _matches_single_process, family, vocab)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")
+@pytest.mark.parametrize("family,vocab", [("llama", 67), ("qwen2", 96), ("gemma2", 67)])
+def test_loss_and_gradients_over_nccl_cuda(family, vocab, monkeypatch):
+    """The same pairings over NCCL, a GPU a rank, float32: the CUDA kernels on DTensor shards."""
+    ranks_on_the_gpu(monkeypatch)
+    run_on_ranks(WORLD, _matches_single_process, family, vocab, "cuda", backend="nccl")
 
 
 def _refuses_unsharded_roots(rank, world):

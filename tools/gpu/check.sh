@@ -33,6 +33,8 @@
 #   fsdp2_step   an FSDP2 training step on 2 and every GPU of the machine (benchmarks/fsdp2_step.py)
 #   fsdp2_hf     nitrobrew.hf on FSDP2 students and teachers on every GPU, Qwen 0.5B <- 1.5B and <- 7B (issue 44)
 #   test_hf_distributed  the FSDP2/DDP tests of nitrobrew.hf and nitrobrew.trl and the distill_fsdp2 example (gloo)
+#   examples_multi_gpu  the multi-process examples over NCCL: distill_fsdp2.py (qwen2.5 sizes, bf16) on 2 and every
+#                GPU, FSDP2 and DDP students; remote_teacher.py --check on GPUs 0 and 1; logs in $OUT
 #   test_distributed  the distributed tests' CUDA cases (on one GPU: NCCL over 1 rank, gloo over 2 to 4 sharing it)
 #   test_multi_gpu    the distributed tests (NCCL over 2 to 4 GPUs where the machine has them), verbose, with
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
@@ -157,6 +159,19 @@ for step in $steps; do
               done ;;
     test_hf_distributed) run test_hf_distributed python3 -m pytest -q -p no:cacheprovider tests/hf/test_hf_distributed.py \
                            tests/hf/test_trl_distributed.py tests/test_examples.py -k "distributed or fsdp2" ;;
+    examples_multi_gpu)
+      gpus=$(nvidia-smi -L | wc -l)
+      for n in $(printf '%s\n' 2 "$gpus" | sort -nu); do
+        for student in fsdp2 ddp; do
+          run "distill_fsdp2_${n}gpu_$student" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+            examples/distill_fsdp2.py --sizes qwen2.5 --device cuda --dtype bfloat16 --student "$student" --quiet \
+            --out "$OUT/distill_fsdp2_${n}gpu_$student"
+        done
+      done
+      for loss in forward_kl jsd; do
+        run "remote_teacher_$loss" python3 examples/remote_teacher.py --device cuda --dtype bfloat16 --full --check \
+          --loss "$loss" --quiet --out "$OUT/remote_teacher_$loss"
+      done ;;
     test_distributed) run test_distributed python3 -m pytest tests/distributed -q -k cuda -p no:cacheprovider ;;
     test_multi_gpu) run test_multi_gpu env NCCL_DEBUG=WARN NITROBREW_RANK_WATCHDOG_S=${NITROBREW_RANK_WATCHDOG_S:-240} \
                       python3 -m pytest tests/distributed -v -p no:cacheprovider ;;
