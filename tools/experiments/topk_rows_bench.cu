@@ -30,7 +30,7 @@
 
 using nitrobrew::cuda::kTopKRowThreads;
 using nitrobrew::cuda::TopKRowArgs;
-using nitrobrew::cuda::topk_rows_kernel;
+using nitrobrew::cuda::launch_topk_rows;
 
 // A hash-based N(0, 3^2) sample per entry (Box-Muller on two hashed uniforms): the same on every run.
 __device__ __host__ inline float logit_at(uint64_t i) {
@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
   for (int k : {8, 32, 256, 1024})
     if (k <= vocab) ks.push_back(k);
   for (int k : ks) {
-    topk_rows_kernel<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(args_for(k));
+    launch_topk_rows(args_for(k), rows, 0);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     std::vector<float> got_lp(rows * k), got_stats(rows * 2);
@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < num_k; ++i) {
       const TopKRowArgs a = args_for(ks[i]);
       floor_ms[i].push_back(time_ms([&] { read_rows<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(z, ld, vocab, sink); }));
-      kernel_ms[i].push_back(time_ms([&] { topk_rows_kernel<<<static_cast<unsigned>(rows), kTopKRowThreads>>>(a); }));
+      kernel_ms[i].push_back(time_ms([&] { launch_topk_rows(a, rows, 0); }));
     }
   }
   CHECK(cudaGetLastError());
