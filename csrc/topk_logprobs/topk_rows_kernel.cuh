@@ -53,7 +53,7 @@ __device__ inline RowSums merge(RowSums a, RowSums b) {
   if (a.max == kNegInf<float>) return b;
   if (b.max == kNegInf<float>) return a;
   const float m = fmaxf(a.max, b.max);
-  const double da = a.max - m, db = b.max - m, ea = exp(da), eb = exp(db);
+  const double da = double(a.max) - m, db = double(b.max) - m, ea = exp(da), eb = exp(db);  // no float overflow
   return {m, ea * a.sum + eb * b.sum, ea * (a.centered + da * a.sum) + eb * (b.centered + db * b.sum)};
 }
 
@@ -215,7 +215,7 @@ __device__ inline void select_k(Shared& sh, int n, int k) {
 
 struct TopKRowArgs {
   const float* z;      // [rows, ld] products x . w^T of the chunk; ld a multiple of 4, rows 16-byte aligned
-  int64_t ld, vocab;   // entries at or past vocab are padding (vocab < 2^31)
+  int64_t ld, vocab;   // entries at or past vocab are padding (vocab <= 2^31 - 1 - kRound)
   const float* bias;   // [vocab] or null
   float scale, cap, inv_t;
   int k;
@@ -242,9 +242,9 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
     sh.undefined_row = 0;
   }
   __syncthreads();
-  // The thread's running sums: its maximum m (and m * log2 e), sum of 2^(d), sum of 2^(d) * d with
-  // d = (s - m) * log2 e, in float (a thread covers at most V / 2048 rounds of eight).
-  float m = kNegInf<float>, m2 = kNegInf<float>, sum = 0.f, centered2 = 0.f;
+  // The thread's running sums: its maximum m, sum of 2^d, sum of 2^d * d with d = (s - m) * log2 e, in float (a
+  // thread covers at most V / 2048 rounds of eight).
+  float m = kNegInf<float>, sum = 0.f, centered2 = 0.f;
   bool undefined = false;
 
   // Column of entry c of the thread's round at `base`: load c / kVec, lane c % kVec.
@@ -291,16 +291,16 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
       round_max = fmaxf(round_max, s[c]);
     }
     if (round_max > m) {  // rescale the sums to the new maximum (rare after the first rounds)
-      const float new_m2 = round_max * kLog2e, d = fmaxf(m2 - new_m2, kMinExponent), f = fast_exp2(d);
+      const float d = fmaxf((m - round_max) * kLog2e, kMinExponent), f = fast_exp2(d);
       centered2 = f * (centered2 + d * sum);
       sum *= f;
       m = round_max;
-      m2 = new_m2;
     }
     float round_sum = 0.f, round_centered = 0.f;
 #pragma unroll
     for (int c = 0; c < kPerThread; ++c) {
-      const float d = fmaxf(fmaf(s[c], kLog2e, -m2), kMinExponent), e = fast_exp2(d);
+      // s - m first: exact for nearby values, where s * log2 e - m * log2 e would carry m's rounding (~1e-8 |m|).
+      const float d = fmaxf((s[c] - m) * kLog2e, kMinExponent), e = fast_exp2(d);
       round_sum += e;
       round_centered = fmaf(e, d, round_centered);
     }
@@ -337,7 +337,7 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
     }
   };
 
-  float4 held[kLoads] = {};  // lanes past the vocabulary keep zeros, never used
+  float4 held[kLoads] = {};  // a load past the vocabulary is skipped: its lanes keep old values, masked
   load_round(0, held);
   for (int base = 0; base < vocab; base += kRound) {
     float4 now[kLoads];

@@ -141,6 +141,40 @@ def test_a_large_vocabulary_keeps_the_normalizer_accurate(implementation):
 
 
 @pytest.mark.parametrize("implementation", ALL)
+@pytest.mark.parametrize("offset", [1e4, -3e5])
+def test_large_logits_keep_absolute_accuracy(implementation, offset):
+    # Logits near 1e4: the sums must not carry the maximum's rounding (~1e-8 * |max|), which tolerances relative
+    # to the log-normalizer would not see. Products exact in float32 (multiples of 1/8), so the reference sees
+    # the very logits the kernels do.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-2, 3, (6, 16), generator=g).float() / 2
+    w = torch.randint(-4, 5, (5003, 16), generator=g).float() / 4
+    bias = torch.full((5003,), offset)
+    lp, ids, lse, entropy = IMPLEMENTATIONS[implementation](x, w, 8, bias=bias, return_stats=True)
+    z = x.double() @ w.double().T + offset
+    ref_lse = z.logsumexp(-1)
+    p = (z - ref_lse[:, None]).exp()
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-7, atol=2e-5)
+    torch.testing.assert_close(entropy.double(), -(p * (z - ref_lse[:, None])).sum(-1), rtol=0, atol=2e-4)
+    torch.testing.assert_close(lp.double(), z.gather(-1, ids) - ref_lse[:, None], rtol=0, atol=2e-5)
+    ref_lp = (z - ref_lse[:, None]).topk(8, dim=-1).values
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ALL)
+def test_a_single_huge_logit(implementation):
+    # One logit of 1e10 beside zeros: log-normalizer 1e10, that entry's log-probability 0, entropy 0.
+    x, w = torch.ones(2, 1), torch.zeros(3001, 1)
+    bias = torch.zeros(3001)
+    bias[1234] = 1e10
+    lp, ids, lse, entropy = IMPLEMENTATIONS[implementation](x, w, 4, bias=bias, return_stats=True)
+    assert ids[:, 0].tolist() == [1234, 1234]
+    torch.testing.assert_close(lp[:, 0], torch.zeros(2), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse, torch.full((2,), 1e10), rtol=1e-7, atol=0)
+    torch.testing.assert_close(entropy, torch.zeros(2), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ALL)
 def test_16_bit_inputs(implementation):
     for dtype in (torch.bfloat16, torch.float16):
         x, w = problem(29, 517, 32, dtype=dtype, scale=2.0, seed=3)
