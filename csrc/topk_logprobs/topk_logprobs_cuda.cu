@@ -32,6 +32,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logprobs_cuda(const at::Tens
                    x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = p.num_rows, vocab = p.vocab_size, ld = (vocab + 7) / 8 * 8;
+  TORCH_CHECK(vocab <= INT32_MAX - topk_rows::kRound, "nitrobrew.topk_logprobs: vocab_size must be at most 2^31 - 1 - ",
+              topk_rows::kRound, " on CUDA (the row kernel's ids are 32-bit), got ", vocab);
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor logprobs = at::empty({n, k}, f32);
   at::Tensor ids = at::empty({n, k}, x.options().dtype(at::kLong));
@@ -60,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logprobs_cuda(const at::Tens
     a.logprobs = logprobs.data_ptr<float>() + r0 * k;
     a.ids = ids.data_ptr<int64_t>() + r0 * k;
     a.stats = stats.data_ptr<float>() + r0 * kNumTopKLogprobsStats;
-    topk_rows_kernel<<<static_cast<unsigned>(count), kTopKRowThreads, 0, stream>>>(a);
+    launch_topk_rows(a, count, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {logprobs, ids, stats};
