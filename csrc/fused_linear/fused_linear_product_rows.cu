@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "../divergence/merge_rows.cuh"
 #include "../divergence/row_folds.cuh"
@@ -65,7 +66,7 @@ struct PartialFold {
   KLAccumulator<T, float, kWeightByStudent> kl{};
   CEAccumulator<T, float> ce;
   float inv_t;
-  bool with_ce;
+  bool with_ce;  // a run-time test: as a template argument it made ptxas spill the CE variant's held chunks
 
   template <int kN>
   __device__ __forceinline__ void chunk(const float (&ys)[kN], const float (&yt)[kN], int64_t v0) {
@@ -103,7 +104,7 @@ struct MixtureFold {
 
 // Pass 2 of one thread: dLoss/dz = scale * softcap'(y) * (dLoss/ds / tau + ce_weight * (p1 - [label])),
 // with p1 the temperature-1 softmax of the cross-entropy add-on (docs/design.md, section 5).
-template <typename T>
+template <typename T, bool kPlain>
 struct GradFold {
   DivergenceParams<float> div;
   LogNormalizer<float> norm_s, norm_t, norm_ce;
@@ -124,26 +125,28 @@ struct GradFold {
       float d = zero ? 0.f
                      : divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, ex) * inv_t;
       if (ce_weight != 0.f) d += ce_weight * (ex(log_prob(ys[k], norm_ce)) - (v0 + k == label ? 1.f : 0.f));
-      g[k] = d * softcap_grad_from_capped(ys[k], softcap_s) * scale;
+      g[k] = kPlain ? d * scale : d * softcap_grad_from_capped(ys[k], softcap_s) * scale;
     }
     store_chunk<kN>(row, v0, g);
   }
 };
 
 // Partials: a slice's unfinished row state (masked rows: none; merge_rows_kernel skips them).
-template <typename T, bool kWeightByStudent>
+// kPlain: plain_logits (no bias, scale or soft-cap), which keeps per-entry work out of the loop that every entry
+// runs: these kernels are bound by the instructions they issue (docs/notes/fused_linear_training_path.md).
+template <typename T, bool kWeightByStudent, bool kPlain>
 __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_partials_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   if (a.masked(r.row)) return;
   const int64_t label = a.labels != nullptr ? a.labels[r.row] : -1;
   PartialFold<T, kWeightByStudent> fold{{}, {{}, 0.f, label}, a.inv_t, a.ce_weight != 0.f};
-  for_each_product_chunk<true>(a.source(r), r.begin, r.size(), fold);
+  for_each_product_chunk<true, kPlain>(a.source(r), r.begin, r.size(), fold);
   const RowPartial<float> part = block_merge(fold.state());
   if (threadIdx.x == 0) store_partial(part, a.partial + (r.slice * a.rows + r.row) * kNumPartialFields);
 }
 
 // JSD: a slice's mixture sums from the row's log-normalizers.
-template <typename T>
+template <typename T, bool kPlain>
 __global__ void __launch_bounds__(kProductRowThreads) row_mixture_kernel(const ProductRowArgs<T> a) {
   using mix_t = MixtureType<T, float>;
   const RowSlice r = a.slice();
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(kProductRowThreads) row_mixture_kernel(const P
   MixtureFold<T> mix{{a.div_mix, {mix_t(stats[kMaxS]), mix_t(stats[kLogSumS])},
                       {mix_t(stats[kMaxT]), mix_t(stats[kLogSumT])}},
                      a.inv_t};
-  for_each_product_chunk<true>(a.source(r), r.begin, r.size(), mix);
+  for_each_product_chunk<true, kPlain>(a.source(r), r.begin, r.size(), mix);
   block_sum2(mix.sums.kl_q_m, mix.sums.kl_p_m);
   if (threadIdx.x == 0) {
     mix_t* out = a.mixture + 2 * (r.slice * a.rows + r.row);
@@ -162,14 +165,14 @@ __global__ void __launch_bounds__(kProductRowThreads) row_mixture_kernel(const P
 }
 
 // dLoss/dz of a slice: 0 for masked rows, NaN throughout for undefined ones (docs/design.md, section 7).
-template <typename T>
+template <typename T, bool kPlain>
 __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_grads_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   T* row = a.grad + r.row * a.ld_grad;
   if (a.masked(r.row)) return fill_slice(row, r, from_acc<T>(0.f));
   const float* stats = a.row_stats + r.row * kNumRowStats;
   if (stats[kMaxS] != stats[kMaxS] || stats[kMaxT] != stats[kMaxT]) return fill_slice(row, r, from_acc<T>(kNaN<float>));
-  GradFold<T> grad{a.div,
+  GradFold<T, kPlain> grad{a.div,
                    {stats[kMaxS], stats[kLogSumS]},
                    {stats[kMaxT], stats[kLogSumT]},
                    {stats[kMaxCE], stats[kLogSumCE]},
@@ -180,7 +183,7 @@ __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) ro
                    *a.row_scale * a.fs.scale,
                    a.labels != nullptr ? a.labels[r.row] : -1,
                    row};
-  for_each_product_chunk<true>(a.source(r), r.begin, r.size(), grad);
+  for_each_product_chunk<true, kPlain>(a.source(r), r.begin, r.size(), grad);
 }
 
 // The most columns of a slice: kRowSliceCols, or in development builds NITROBREW_ROW_SLICE_COLS (rounded
@@ -209,25 +212,49 @@ MergeRowsArgs merge_args(int64_t rows, int64_t slices, const int64_t* labels, co
 int merge_blocks(int64_t rows) { return static_cast<int>((rows + 255) / 256); }
 
 // Each slice's unfinished row state into a.partial.
+// Calls launch(std::integral_constant<bool, kPlain>) with kPlain = plain_logits(a.fs, a.ft).
+template <typename T, typename F>
+void with_plain(const ProductRowArgs<T>& a, F&& launch) {
+  if (plain_logits(a.fs, a.ft)) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
+}
+
+template <typename F>
+void with_flag(bool flag, F&& launch) {
+  if (flag) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
+}
+
 template <typename T>
 void launch_partials(const ProductRowArgs<T>& a, const DistillParams& p, cudaStream_t stream) {
-  if (p.kind == Divergence::kReverseKL) {
-    row_partials_kernel<T, true><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
-  } else {
-    row_partials_kernel<T, false><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
-  }
+  with_plain(a, [&](auto plain) {
+    with_flag(p.kind == Divergence::kReverseKL, [&](auto by_student) {
+      row_partials_kernel<T, decltype(by_student)::value, decltype(plain)::value>
+          <<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+    });
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
 void launch_mixture(const ProductRowArgs<T>& a, cudaStream_t stream) {
-  row_mixture_kernel<T><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  with_plain(a, [&](auto plain) {
+    row_mixture_kernel<T, decltype(plain)::value><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
 void launch_grads(const ProductRowArgs<T>& a, cudaStream_t stream) {
-  row_grads_kernel<T><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  with_plain(a, [&](auto plain) {
+    row_grads_kernel<T, decltype(plain)::value><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -50,8 +50,9 @@ struct SliceSource {
   ModelLogits<T> fs, ft;
 };
 
-// The models' logits of the slice's entries [k0, k0 + kN) (column begin + k0 + k).
-template <int kN, bool kTeacher, typename T>
+// The models' logits of the slice's entries [k0, k0 + kN) (column begin + k0 + k). kPlain: neither model has a
+// bias, a logit scale or a soft-cap (Llama, Qwen, ...), and the logits are the products as they are.
+template <int kN, bool kTeacher, bool kPlain, typename T>
 __device__ __forceinline__ void load_logits(const SliceSource<T>& src, int64_t begin, int64_t k0, float (&ys)[kN],
                                             float (&yt)[kN]) {
   if constexpr (kN == 4) {
@@ -68,11 +69,20 @@ __device__ __forceinline__ void load_logits(const SliceSource<T>& src, int64_t b
       if constexpr (kTeacher) yt[k] = src.zt[k0 + k];
     }
   }
+  if constexpr (!kPlain) {
 #pragma unroll
-  for (int k = 0; k < kN; ++k) {
-    ys[k] = model_logit_at(src.fs, ys[k], begin + k0 + k);
-    if constexpr (kTeacher) yt[k] = model_logit_at(src.ft, yt[k], begin + k0 + k);
+    for (int k = 0; k < kN; ++k) {
+      ys[k] = model_logit_at(src.fs, ys[k], begin + k0 + k);
+      if constexpr (kTeacher) yt[k] = model_logit_at(src.ft, yt[k], begin + k0 + k);
+    }
   }
+}
+
+// Whether both models' logits are their products as they are (load_logits' kPlain).
+template <typename T>
+__host__ __device__ inline bool plain_logits(const ModelLogits<T>& fs, const ModelLogits<T>& ft) {
+  return fs.bias == nullptr && fs.scale == 1.f && !(fs.softcap > 0.f) && ft.bias == nullptr && ft.scale == 1.f &&
+         !(ft.softcap > 0.f);
 }
 
 // Calls f.chunk<kN>(ys, yt, v0) with the models' logits (before the temperature) of the slice
@@ -80,7 +90,7 @@ __device__ __forceinline__ void load_logits(const SliceSource<T>& src, int64_t b
 // taking every blockDim-th chunk in order, four in flight (their loads issued before any is used), then
 // single columns for the rest. v0 is the chunk's column in the row. Student-only walks (kTeacher false)
 // pass ys as yt.
-template <bool kTeacher, typename T, typename F>
+template <bool kTeacher, bool kPlain, typename T, typename F>
 __device__ __forceinline__ void for_each_product_chunk(const SliceSource<T>& src, int64_t begin, int64_t count, F& f) {
   constexpr int kN = 4, kInFlight = 4;
   const int64_t chunks = count / kN, step = blockDim.x;
@@ -88,18 +98,18 @@ __device__ __forceinline__ void for_each_product_chunk(const SliceSource<T>& src
   for (; c + (kInFlight - 1) * step < chunks; c += kInFlight * step) {
     float ys[kInFlight][kN], yt[kInFlight][kN];
 #pragma unroll
-    for (int i = 0; i < kInFlight; ++i) load_logits<kN, kTeacher>(src, begin, (c + i * step) * kN, ys[i], yt[i]);
+    for (int i = 0; i < kInFlight; ++i) load_logits<kN, kTeacher, kPlain>(src, begin, (c + i * step) * kN, ys[i], yt[i]);
 #pragma unroll
     for (int i = 0; i < kInFlight; ++i) f.template chunk<kN>(ys[i], kTeacher ? yt[i] : ys[i], begin + (c + i * step) * kN);
   }
   for (; c < chunks; c += step) {
     float ys[kN], yt[kN];
-    load_logits<kN, kTeacher>(src, begin, c * kN, ys, yt);
+    load_logits<kN, kTeacher, kPlain>(src, begin, c * kN, ys, yt);
     f.template chunk<kN>(ys, kTeacher ? yt : ys, begin + c * kN);
   }
   for (int64_t k = chunks * kN + threadIdx.x; k < count; k += step) {
     float ys[1], yt[1];
-    load_logits<1, kTeacher>(src, begin, k, ys, yt);
+    load_logits<1, kTeacher, kPlain>(src, begin, k, ys, yt);
     f.template chunk<1>(ys, kTeacher ? yt : ys, begin + k);
   }
 }
