@@ -6,6 +6,7 @@ generalized JSD computed by nitrobrew from hidden states) on chat-formatted samp
 word-level tokenizer made here (no hub). The held-out KL to the teacher must fall.
 
     python examples/distill_trl.py             # CPU, seconds (the CI smoke run)
+    accelerate launch --multi_gpu --num_processes 2 examples/distill_trl.py   # 2 processes: DDP (gloo on CPUs)
 
 Needs transformers, TRL (and datasets, which TRL installs).
 """
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=config,
                          train_dataset=Dataset.from_dict({"messages": chats(chain, 8 * args.steps, 8, 24, g)}),
                          processing_class=word_tokenizer())
+    state = trainer.accelerator.state
+    if state.is_main_process:
+        print(f"trainer: {state.distributed_type.value} over {state.num_processes} process(es)")
     trainer.train()
     after = held_out_kl(student.to(held_out.device), teacher.to(held_out.device), held_out)
     print(f"student: held-out KL(teacher || student) {before:.4f} -> {after:.4f} nats per token")

@@ -35,6 +35,32 @@ def test_distill_trl(tmp_path):
     assert "held-out KL" in out
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
+def test_distill_trl_under_accelerate_launch(tmp_path):
+    # The trainer as users launch it on several processes: accelerate's torchrun launcher, two CPU processes (the
+    # Trainer's use_cpu makes accelerate's state MULTI_CPU: DDP over gloo). Every rank asserts the held-out KL fell.
+    pytest.importorskip("transformers")
+    pytest.importorskip("trl")
+    pytest.importorskip("accelerate")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip",
+               "127.0.0.1", "--main_process_port", str(free_port()), str(ROOT / "examples" / "distill_trl.py"),
+               "--out", str(tmp_path), "--quiet"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "trainer: MULTI_CPU over 2 process(es)" in result.stdout, result.stdout
+    assert result.stdout.count("held-out KL(teacher || student)") == 2, result.stdout
+
+
 @pytest.mark.parametrize("extra", [["--dtype", "float32"], ["--dtype", "bfloat16", "--loss", "jsd"]],
                          ids=["float32", "bf16-jsd"])
 def test_remote_teacher(tmp_path, extra):
@@ -52,13 +78,9 @@ def test_distill_fsdp2(tmp_path, layouts):
     # Two CPU processes over gloo, launched as users launch it (torchrun); every rank asserts the held-out KL fell.
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    import socket
-
-    with socket.socket() as free:  # a static rendezvous on a free port (--standalone's c10d one hung once in CI)
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    # A static rendezvous on a free port (--standalone's c10d one hung once in CI).
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "--nproc-per-node", "2",
                str(ROOT / "examples" / "distill_fsdp2.py"), "--device", "cpu", *layouts, "--out", str(tmp_path),
                "--quiet"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
