@@ -171,8 +171,22 @@ def ids_in_range(ids: Tensor, vocab: int, name: str, ignore_index: int | None = 
         position = tuple(int(i) for i in outside.nonzero()[0])
         value = int(ids[position])
         allowed = "" if ignore_index is None else f" and is not ignore_index ({ignore_index})"
-        raise IndexError(f"{name}{list(position)} = {value} is outside [0, V = {vocab}){allowed}; "
-                         f"{int(outside.sum())} of {ids.numel()} entries are")
+        count = int(outside.sum())
+        message = (f"{name}{list(position)} = {value} is outside [0, V = {vocab}){allowed}; {count} of the {ids.numel()} "
+                   f"entries {'is' if count == 1 else 'are'} outside it")
+        if value < 0:  # -1 and the like mark padding
+            message += (". A negative id usually marks padding: leave such positions out of the loss with labels "
+                        "equal to ignore_index (-100 by default)" if ignore_index is None else
+                        f". A negative id usually marks padding: give those positions ignore_index ({ignore_index})")
+        raise IndexError(message)
+
+
+def logits_hint(x: Tensor, w: Tensor) -> str:
+    """A hint for hidden states whose last dimension is the vocabulary: logits passed to a hidden-state op."""
+    if x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[0] and x.shape[-1] != w.shape[1]:
+        return (f" ({tuple(x.shape)}'s last dimension is the vocabulary size V = {w.shape[0]}: for logits, use "
+                "nitrobrew.logits)")
+    return ""
 
 
 def autocast_inputs(*tensors):

@@ -47,10 +47,16 @@ def load_extension() -> None:
     if os.environ.get("NITROBREW_JIT", "0") == "1":
         _jit_load()
         return
+    import importlib.util
+
+    if importlib.util.find_spec("nitrobrew._C") is None:  # not built: say how, without Python's import noise
+        raise ImportError(_BUILD_HINT) from None
     try:
         from nitrobrew import _C  # noqa: F401  (importing registers the operators)
-    except ImportError as error:
-        raise ImportError(f"{_BUILD_HINT}\n(import error: {error})") from error
+    except ImportError as error:  # built, but it does not load (another torch, a missing library)
+        raise ImportError(f"nitrobrew's compiled extension (nitrobrew._C) did not load: {error}\nRebuild it against "
+                          f"the installed torch with\n    pip install --no-build-isolation .\nor set NITROBREW_JIT=1 "
+                          f"to compile it on import from a source checkout.") from error
 
 
 def kernel_device_types(op: str) -> frozenset:

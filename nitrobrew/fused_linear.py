@@ -125,9 +125,11 @@ def _fused_linear_loss(
             f"xs and xt must have the same leading shape, got {tuple(xs.shape)} and {tuple(xt.shape)}"
         )
     if ws.shape[1] != xs.shape[-1]:
-        raise ValueError(f"ws must be [V, D_s] with D_s = xs.shape[-1] = {xs.shape[-1]}, got {tuple(ws.shape)}")
+        raise ValueError(f"ws must be [V, D_s] with D_s = xs.shape[-1] = {xs.shape[-1]}, got {tuple(ws.shape)}"
+                         f"{_checks.logits_hint(xs, ws)}")
     if wt.shape[1] != xt.shape[-1]:
-        raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}")
+        raise ValueError(f"wt must be [V, D_t] with D_t = xt.shape[-1] = {xt.shape[-1]}, got {tuple(wt.shape)}"
+                         f"{_checks.logits_hint(xt, wt)}")
     _checks.same_device({"xs": xs, "xt": xt, "ws": ws, "wt": wt})
     xs, xt, ws, wt = _checks.autocast_inputs(xs, xt, ws, wt)
     if ws.dtype != xs.dtype or wt.dtype != xt.dtype or xt.dtype != xs.dtype:

@@ -89,7 +89,7 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     min_rows = 1 if process_group is None else 0
     if xs.dim() < 1 or ws.dim() != 2 or ws.shape[1] != xs.shape[-1] or ws.shape[0] < min_rows or xs.shape[-1] == 0:
         raise ValueError(f"xs must be [..., D] and ws [V, D] with V >= 1 and D >= 1, got {tuple(xs.shape)} and "
-                         f"{tuple(ws.shape)}")
+                         f"{tuple(ws.shape)}{_checks.logits_hint(xs, ws)}")
     lead_shape = xs.shape[:-1]
     vocab = ws.shape[0] if process_group is None else None  # sharded: checked over the whole vocabulary
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, vocab, of="xs")

@@ -75,7 +75,7 @@ def topk_logprobs(x: Tensor, w: Tensor, k: int, *, temperature: float = 1.0, bia
         _checks.floating(value, name)
     if x.dim() < 1 or w.dim() != 2 or w.shape[1] != x.shape[-1] or w.shape[0] < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must be [..., D] and w [V, D] with V >= 1 and D >= 1, got {tuple(x.shape)} and "
-                         f"{tuple(w.shape)}")
+                         f"{tuple(w.shape)}{_checks.logits_hint(x, w)}")
     _checks.same_device({"x": x, "w": w})
     x, w = _checks.autocast_inputs(x, w)
     if w.dtype != x.dtype:

@@ -221,7 +221,11 @@ def test_labels_out_of_range_with_cross_entropy_raise(device):
     labels = torch.arange(ROWS, device=device)
     labels[BAD] = V + 5
     with pytest.raises(IndexError, match=rf"labels\[{BAD}\] = {V + 5} is outside \[0, V = {V}\) and is not "
-                                         r"ignore_index \(-100\); 1 of 6 entries are"):
+                                         r"ignore_index \(-100\); 1 of the 6 entries is outside it"):
+        nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels, ce_weight=0.5)
+    labels[BAD] = -1  # padding marked -1 rather than ignore_index: the message says what to do
+    with pytest.raises(IndexError, match=r"A negative id usually marks padding: give those positions ignore_index "
+                                         r"\(-100\)"):
         nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels, ce_weight=0.5)
     labels[BAD] = -100  # ignored rows may hold anything
     assert nitrobrew.forward_kl(xs, xt, ws, wt, labels=labels, ce_weight=0.5).isfinite()

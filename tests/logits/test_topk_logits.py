@@ -163,7 +163,7 @@ def test_teacher_gets_no_gradient_and_ignored_rows_give_zero(device):
         (lambda zs, ids, lps: (zs, ids.clamp(max=38) + 2, lps), IndexError,
          r"teacher_ids\[\d+, \d+\] = 40 is outside \[0, V = 40\)"),
         (lambda zs, ids, lps: (zs, ids.index_fill(1, torch.tensor([0]), -1), lps), IndexError,
-         r"teacher_ids\[0, 0\] = -1 is outside \[0, V = 40\); 5 of 20 entries are"),
+         r"teacher_ids\[0, 0\] = -1 is outside \[0, V = 40\); 5 of the 20 entries are outside it"),
         (lambda zs, ids, lps: (zs, ids.int(), lps), TypeError, "int64"),
         (lambda zs, ids, lps: (zs, ids, lps[:, :3]), ValueError, "both be"),
         (lambda zs, ids, lps: (zs, ids[:2], lps[:2]), ValueError, "leading shape"),

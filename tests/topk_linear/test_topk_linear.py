@@ -246,7 +246,10 @@ def test_under_autocast(device):
         (lambda xs, ws, ids, lps: (xs, ws, ids.clamp(max=38) + 2, lps), IndexError,
          r"teacher_ids\[\d+, \d+\] = 40 is outside \[0, V = 40\)"),
         (lambda xs, ws, ids, lps: (xs, ws, ids.index_fill(1, torch.tensor([0]), -1), lps), IndexError,
-         r"teacher_ids\[0, 0\] = -1 is outside \[0, V = 40\); 5 of 20 entries are"),
+         r"teacher_ids\[0, 0\] = -1 is outside \[0, V = 40\); 5 of the 20 entries are outside it\. A negative id "
+         r"usually marks padding: leave such positions out of the loss with labels equal to ignore_index"),
+        (lambda xs, ws, ids, lps: (torch.randn(xs.shape[0], 40), ws, ids, lps), ValueError,
+         r"last dimension is the vocabulary size V = 40: for logits, use nitrobrew.logits"),
         (lambda xs, ws, ids, lps: (xs, ws, ids.int(), lps), TypeError, "int64"),
         (lambda xs, ws, ids, lps: (xs, ws, ids, lps[:, :3]), ValueError, "both be"),
         (lambda xs, ws, ids, lps: (xs, ws, ids[:2], lps[:2]), ValueError, "leading shape"),

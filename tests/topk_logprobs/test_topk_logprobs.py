@@ -253,6 +253,7 @@ def test_the_maximum_k_and_many_vocabulary_tiles():
     (dict(vocab_size=51), "vocab_size must be at most", ValueError),
     (dict(bias=torch.zeros(49)), "bias must be", ValueError),
     (dict(w=torch.zeros(50, 5)), "x must be", ValueError),
+    (dict(x=torch.zeros(3, 50)), "for logits, use nitrobrew.logits", ValueError),
     (dict(w=torch.zeros(50, 4, dtype=torch.float64)), "share one dtype", TypeError),
     (dict(x=torch.zeros(3, 4, dtype=torch.int64)), "x must be float32", TypeError),
     (dict(chunk_V=0), "chunk_V must be", ValueError),
