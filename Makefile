@@ -3,6 +3,8 @@
 PYTHON ?= python3
 # The CPU wheel of this version lies on the project's CI machines; any torch >= 2.4 works.
 TORCH_SPEC ?= torch==2.13.0
+# The optional integrations' tested versions: `make test` installs them where missing, so that every CPU test runs.
+EXTRAS_SPEC ?= transformers==5.24.0 peft==0.21.2 trl==1.16.0
 STAMP := build/.nitrobrew-installed
 BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml nitrobrew/_build.py
 
@@ -22,6 +24,7 @@ demo: install
 	$(PYTHON) -m nitrobrew
 
 test: install
+	@$(PYTHON) -c "import transformers, peft, trl" 2>/dev/null || $(PYTHON) -m pip install --quiet $(EXTRAS_SPEC)
 	$(PYTHON) -m pytest tests -q
 
 # Compile (not link, not run) every CUDA source for sm_80 and sm_90a: the check CI can do

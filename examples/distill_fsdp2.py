@@ -79,6 +79,9 @@ def progress(iterable, description: str, enabled: bool):
 
 
 def main(argv=None) -> int:
+    from _requires import require  # this folder's helper (on sys.path when run as a script)
+
+    require("transformers")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

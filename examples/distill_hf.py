@@ -78,6 +78,9 @@ def distill_with_attention(student, teacher, text, args):
 
 
 def main(argv=None) -> int:
+    from _requires import require  # this folder's helper (on sys.path when run as a script)
+
+    require("transformers")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="larger models and text (use a GPU)")
     parser.add_argument("--device", default="cpu")

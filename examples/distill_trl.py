@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_hf import held_out_kl, llama, markov_chain, sample_text  # noqa: E402  (this folder's helpers)
+from _requires import require  # noqa: E402  (this folder's helpers)
+from distill_hf import held_out_kl, llama, markov_chain, sample_text  # noqa: E402
 
 VOCAB = 256
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "user", "assistant"]
@@ -52,6 +53,7 @@ def chats(chain, count: int, prompt: int, reply: int, g):
 
 
 def main(argv=None) -> int:
+    require("transformers", "trl", "datasets")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teacher-steps", type=int, default=100)
     parser.add_argument("--steps", type=int, default=60)

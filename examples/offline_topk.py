@@ -132,6 +132,9 @@ def check_round_trip(teacher, student, shard: dict, dtype: torch.dtype, temperat
 
 
 def main() -> None:
+    from _requires import require  # this folder's helper (on sys.path when run as a script)
+
+    require("transformers", "safetensors")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--logprob-dtype", choices=["float16", "float32"], default="float16")

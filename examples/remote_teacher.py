@@ -180,6 +180,9 @@ def worker(rank: int, args, init_file: str) -> None:
 
 
 def main(argv=None) -> int:
+    from _requires import require  # this folder's helper (on sys.path when run as a script)
+
+    require("transformers")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the teacher on GPU 0, "
                         "the trainer on GPU 1")

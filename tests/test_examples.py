@@ -20,6 +20,19 @@ def run_example(name, *args, tmp_path):
     return result.stdout
 
 
+def test_a_missing_dependency_names_the_pip_command(tmp_path):
+    # transformers hidden by a package of that name that is not there: the example stops with the pip command.
+    fake = tmp_path / "hidden" / "transformers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hidden"), str(ROOT)]))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "distill_hf.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "needs transformers: pip install transformers" in result.stderr, result.stderr
+    assert "pip install --no-build-isolation '.[hf]'" in result.stderr
+
+
 @pytest.mark.parametrize("extra", [[], ["--attention", "0.5"]], ids=["logits", "attention"])
 def test_distill_hf(tmp_path, extra):
     pytest.importorskip("transformers")
