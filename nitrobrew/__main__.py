@@ -169,7 +169,15 @@ def main():
               + (f" -> match (tolerance {tolerance:.0e})" if ok else f" -> MISMATCH (tolerance {tolerance:.0e})"))
         if not ok:
             raise SystemExit(1)
-
+        (fused_ms, *_, fused_mem), (naive_ms, *_, naive_mem) = results.values()
+        speed = (f"{naive_ms / fused_ms:.2f}x naive's speed" if fused_ms <= naive_ms else
+                 f"{fused_ms / naive_ms - 1:.0%} slower than naive")
+        memory = ("" if fused_mem is None or naive_mem is None else
+                  f", {fused_mem / 2**30:.3f} GiB of extra peak memory against naive's {naive_mem / 2**30:.3f}")
+        print(f"nitrobrew: {speed}{memory}.")
+        if args.device == "cpu":
+            print("On the CPU the fused path wins memory, not time (docs/performance.md has the CPU measurements); "
+                  "its speed is won on GPUs.")
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
