@@ -1,4 +1,5 @@
-"""Sources and compiler flags of the compiled extension, shared by setup.py and the JIT path.
+"""Sources and compiler flags of the compiled extension, shared by setup.py and the JIT path, and which torch
+a build can run under.
 
 Build knobs (environment variables):
   NITROBREW_CUDA_ARCHS  CUDA architectures, ';'- or ','-separated (default "8.0;9.0a")
@@ -85,3 +86,18 @@ def nvcc_flags() -> list[str]:
     base = ["-O0", "-G", "-lineinfo"] if debug() else ["-O3", "-lineinfo"]
     # The C++ standard is left to torch.utils.cpp_extension, which picks the one its headers need.
     return base + ["--expt-relaxed-constexpr", "-DNITROBREW_WITH_CUDA"] + _knob_defines() + gencode_flags()
+
+
+def torch_mismatch(built_version: str, built_cuda, running_version: str, running_cuda):
+    """Why an extension compiled against torch `built_version` (CUDA `built_cuda`, None for a CPU build of
+    torch) cannot run under `running_version`, or None when it can: torch's C++ ABI changes between releases
+    (major.minor) and between its CPU and CUDA builds."""
+    def release(version):
+        return tuple(version.split("+")[0].split(".")[:2])
+
+    if release(built_version) == release(running_version) and (built_cuda is None) == (running_cuda is None):
+        return None
+    return (f"nitrobrew's compiled extension was built against torch {built_version}, but torch {running_version} is "
+            f"installed: it would fail to load, or worse, misbehave. Rebuild nitrobrew against this torch (from its "
+            f"checkout: pip install --no-build-isolation --force-reinstall --no-deps .), or set "
+            f"NITROBREW_JIT_FALLBACK=1 to compile it on import from a source checkout instead.")

@@ -4,7 +4,9 @@ Normally this imports the extension built by `pip install --no-build-isolation .
 With NITROBREW_JIT=1 it compiles the same sources from a source checkout with
 torch.utils.cpp_extension.load instead (cached in torch's extension folder), which is
 the quick loop for kernel development. There is no fallback to slower code: a missing
-build is an ImportError that says how to build.
+build is an ImportError that says how to build, and so is a build for another torch
+(nitrobrew/_build_info.py, written by setup.py, records the build's), unless
+NITROBREW_JIT_FALLBACK=1 asks for the JIT path then.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ _BUILD_HINT = (
 )
 
 
+def _jit_build_cached() -> bool:
+    """Whether torch's extension folder holds a JIT build of nitrobrew (its build directory is a private helper
+    of torch.utils.cpp_extension; without it, assume not)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.exists(os.path.join(_get_build_directory("nitrobrew_jit", verbose=False), "nitrobrew_jit.so"))
+    except Exception:
+        return False
+
+
 def _jit_load() -> None:
     from torch.utils.cpp_extension import load
 
@@ -31,6 +44,12 @@ def _jit_load() -> None:
     with_cuda = _build.cuda_wanted()
     if with_cuda:
         sources += _build.cuda_sources(root)
+    if not _jit_build_cached():
+        import sys
+
+        # The first import compiles for minutes (later ones load torch's cached build): say so rather than sit silent.
+        print(f"nitrobrew: building the extension{' with CUDA' if with_cuda else ''} (NITROBREW_JIT; the first import "
+              "takes a few minutes, later ones load the cached build)...", file=sys.stderr, flush=True)
     load(
         name="nitrobrew_jit",
         sources=sources,
@@ -43,8 +62,28 @@ def _jit_load() -> None:
     )
 
 
+def _check_build_torch() -> bool:
+    """True if the extension was built against the running torch (or its build recorded nothing); False if not
+    and NITROBREW_JIT_FALLBACK=1 asks for the JIT path instead; else an ImportError that says what to do."""
+    try:
+        from nitrobrew import _build_info
+    except ImportError:  # a build older than the record, or not built by setup.py
+        return True
+    import torch
+
+    problem = _build.torch_mismatch(_build_info.TORCH_VERSION, _build_info.TORCH_CUDA, torch.__version__, torch.version.cuda)
+    if problem is None:
+        return True
+    if os.environ.get("NITROBREW_JIT_FALLBACK", "0") == "1":
+        return False
+    raise ImportError(problem)
+
+
 def load_extension() -> None:
     if os.environ.get("NITROBREW_JIT", "0") == "1":
+        _jit_load()
+        return
+    if not _check_build_torch():  # built against another torch; NITROBREW_JIT_FALLBACK=1 compiles this one's
         _jit_load()
         return
     import importlib.util

@@ -47,3 +47,52 @@ def test_a_checkout_without_a_build_says_how_to_build(tmp_path):
     assert "nitrobrew's compiled extension (nitrobrew._C) is not built" in result.stderr, result.stderr
     assert "pip install --no-build-isolation" in result.stderr
     assert "circular import" not in result.stderr and "partially initialized" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("built,running,ok", [
+    (("2.13.0+cpu", None), ("2.13.1+cpu", None), True),     # a patch release: the same ABI
+    (("2.11.0+cu130", "13.0"), ("2.11.0+cu128", "12.8"), True),
+    (("2.13.0+cpu", None), ("2.14.1+cu130", "13.0"), False),  # the case: another release and a CUDA build
+    (("2.11.0+cu130", "13.0"), ("2.11.0+cpu", None), False),
+    (("2.10.0", None), ("2.11.0", None), False),
+])
+def test_an_extension_built_for_another_torch_is_refused_with_the_fix(built, running, ok):
+    message = _build_module().torch_mismatch(*built, *running)
+    assert (message is None) == ok
+    if not ok:
+        assert f"built against torch {built[0]}, but torch {running[0]} is installed" in message
+        assert "pip install --no-build-isolation" in message and "NITROBREW_JIT_FALLBACK=1" in message
+
+
+def test_an_isolated_build_stops_at_once_naming_the_flag(tmp_path):
+    # pip's build isolation runs setup.py where the installed torch is not visible (torch is not a build
+    # requirement): it stops with the flag to use, instead of building against another torch.
+    import subprocess
+    import sys
+
+    setup_py = os.path.join(os.path.dirname(__file__), os.pardir, "setup.py")
+    hidden = tmp_path / "torch"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\")\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    result = subprocess.run([sys.executable, setup_py, "--version"], capture_output=True, text=True, env=env,
+                            timeout=60, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "pip install --no-build-isolation ." in result.stderr, result.stderr
+
+
+def test_importing_a_build_for_another_torch_raises_with_the_fix(tmp_path):
+    # The record setup.py writes (nitrobrew/_build_info.py) says another torch: import stops before loading the
+    # extension, saying what to do.
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    code = ("import sys, types; sys.modules['nitrobrew._build_info'] = types.SimpleNamespace("
+            "TORCH_VERSION='2.3.0+cu118', TORCH_CUDA='11.8', WITH_CUDA=True); import nitrobrew")
+    env = {k: v for k, v in os.environ.items() if k not in ("NITROBREW_JIT", "NITROBREW_JIT_FALLBACK")}
+    env["PYTHONPATH"] = os.path.abspath(root)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "built against torch 2.3.0+cu118, but torch" in result.stderr, result.stderr
