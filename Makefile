@@ -8,7 +8,7 @@ EXTRAS_SPEC ?= transformers==5.24.0 peft==0.21.2 trl==1.16.0
 STAMP := build/.nitrobrew-installed
 BUILD_INPUTS := $(shell find csrc -type f) setup.py pyproject.toml nitrobrew/_build.py
 
-.PHONY: install demo test cuda-check bench
+.PHONY: install demo test cuda-check bench wheel
 
 install: $(STAMP)
 
@@ -34,3 +34,9 @@ cuda-check: install
 
 bench: install
 	$(PYTHON) benchmarks/fused_linear.py
+
+# A wheel for the installed torch (its version tag and pin say which: docs/development.md), in dist/. -v shows
+# ninja's [n/N] progress.
+wheel:
+	@$(PYTHON) -c "import torch" 2>/dev/null || (echo "install the torch the wheel is for first"; exit 1)
+	$(PYTHON) -m pip wheel -v --no-build-isolation --no-deps -w dist .
