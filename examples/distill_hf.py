@@ -84,7 +84,6 @@ def distill_with_attention(student, teacher, text, args):
             nitrobrew.hf.capture_attention(teacher, layer_map.values()) as t:
         logit_loss = nitrobrew.hf.distillation_loss(student, teacher, text, loss=args.loss, check=False)
     attention_loss = nitrobrew.hf.attention_distillation_loss(s, t, layer_map)
-    distill_with_attention.last = attention_loss.item()
     return logit_loss + args.attention * attention_loss
 
 
