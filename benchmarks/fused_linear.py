@@ -78,11 +78,13 @@ def _model_options(ws, wt, *, bias, scale):
     return options
 
 
-def _nitrobrew_path(xs, xt, ws, wt, *, loss, reduction, grad_in_forward):
+def _nitrobrew_path(xs, xt, ws, wt, *, loss, reduction, grad_in_forward, return_entropy=False):
     extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
     if reduction == "none":  # the forward mode: both paths share the plain forward
         grad_in_forward = None
-    return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, grad_in_forward=grad_in_forward, **extra)
+    out = getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, grad_in_forward=grad_in_forward,
+                                   return_entropy=return_entropy, **extra)
+    return out[0] if return_entropy else out
 
 
 @method("nitrobrew_training")
@@ -107,6 +109,18 @@ def _with_product_rows(rows):
 
 method("nitrobrew_training_steps_256")(_with_product_rows(256))
 method("nitrobrew_training_steps_1024")(_with_product_rows(1024))
+
+
+@method("nitrobrew_training_entropy")
+def _nitrobrew_training_entropy(xs, xt, ws, wt, *, loss, reduction):
+    # The training path with the student's entropy formed too (return_entropy=True; forward mode: the forward's).
+    return _nitrobrew_path(xs, xt, ws, wt, loss=loss, reduction=reduction, grad_in_forward=True, return_entropy=True)
+
+
+@method("nitrobrew_recompute_entropy")
+def _nitrobrew_recompute_entropy(xs, xt, ws, wt, *, loss, reduction):
+    return _nitrobrew_path(xs, xt, ws, wt, loss=loss, reduction=reduction, grad_in_forward=False,
+                           return_entropy=True)
 
 
 @method("nitrobrew_recompute")

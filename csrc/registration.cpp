@@ -17,14 +17,16 @@ TORCH_LIBRARY(nitrobrew, m) {
   // Fused-linear distillation (fused_linear/), forward. Student logits
   // softcap_s(logit_scale_s * (xs . ws^T + bias_s)) / temperature, teacher logits likewise, over the
   // first vocab_size rows of ws and wt (biases [V_rows] in the weights' dtype, or None).
-  // Returns (loss [N], row_stats [N, 7]) in float32 (float64 for float64 inputs); the
+  // Returns (loss [N], row_stats [N, 8]) in float32 (float64 for float64 inputs); the
   // columns of row_stats are listed by RowStat in divergence/row_stats.h. Rows whose label
-  // is ignore_index get zeros.
+  // is ignore_index get zeros. With entropy, row_stats' last column holds each row's student entropy
+  // (0 without; it costs the KL pass an exponential per student logit). The backward takes every
+  // option but entropy.
   m.def(
       "fused_linear_fwd(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
       "Tensor? bias_t, int ignore_index, str divergence, float beta, float temperature, float ce_weight, "
       "float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, int vocab_size, "
-      "int chunk_v) -> (Tensor, Tensor)");
+      "int chunk_v, bool entropy=False) -> (Tensor, Tensor)");
   // Recompute backward: given the per-row upstream gradient and the forward's per-row
   // statistics, returns (dxs, dws, dbias_s); each is an empty tensor when not requested.
   m.def(
@@ -39,13 +41,14 @@ TORCH_LIBRARY(nitrobrew, m) {
   // inputs' dtype on CUDA (the dtype of the tensor-core products that consume it) and in the
   // accumulation dtype on the CPU, with a row stride of vocab_size rounded up to 8. G is scaled by the
   // scalar tensor row_scale (the reduction's weight, in the loss's dtype, on the inputs' device) and
-  // logit_scale_s; masked rows hold 0.
+  // logit_scale_s; masked rows hold 0. With entropy, also each row's student entropy [N] in the loss's
+  // dtype (masked rows 0), else an empty tensor.
   // The logits' products are formed once, product_rows rows at a time, in the accumulation dtype.
   m.def(
       "fused_linear_grad_chunk(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
       "Tensor? bias_t, Tensor row_scale, int ignore_index, str divergence, float beta, float temperature, "
       "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
-      "int vocab_size, int product_rows) -> (Tensor, Tensor)");
+      "int vocab_size, int product_rows, bool entropy=False) -> (Tensor, Tensor, Tensor)");
 
   // The training path's stored products: x [N, D] . w[:vocab_size]^T [N, vocab_size] in the accumulation
   // dtype (float32; float64 for float64 inputs), the GEMM's only rounding, in rows with a stride of
@@ -70,7 +73,7 @@ TORCH_LIBRARY(nitrobrew, m) {
   // rows are merged across ranks between them. zs, zt: [N, V_shard] products x . w^T (no bias) in the
   // accumulation dtype, from `products`; labels local as fused_linear_shard's; biases [>= V_shard].
   // dtype: the inputs' (the biases' on CUDA, whose kernels compute as the single-device step does for it).
-  // product_partials: the unfinished row states [S, N, 8] of S column parts (merge_shards merges them, with
+  // product_partials: the unfinished row states [S, N, 11] of S column parts (merge_shards merges them, with
   // the other shards', in order); with row_stats (merge_shards' over the whole vocabulary; JSD only) the
   // mixture sums [S, N, 2] in float64.
   m.def(
@@ -91,7 +94,7 @@ TORCH_LIBRARY(nitrobrew, m) {
 
   // A vocabulary shard's forward (nitrobrew.distributed): ws, wt hold the shard's rows, labels are
   // local (a label outside [0, vocab_size) is another shard's: no column holds it, no error).
-  // Without row_stats: pass 1's unfinished row states [N, 8] (PartialField in
+  // Without row_stats: pass 1's unfinished row states [N, 11] (PartialField in
   // divergence/row_partial.h; float32, float64 for float64 inputs), which merge_shards merges over
   // the shards. With row_stats (merge_shards' output over the whole vocabulary; JSD only): the
   // shard's JSD mixture sums [N, 2] in float64, KL(q||M) and KL(p||M).
@@ -100,8 +103,8 @@ TORCH_LIBRARY(nitrobrew, m) {
       "Tensor? bias_t, Tensor? row_stats, int ignore_index, str divergence, float beta, float temperature, "
       "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
       "int vocab_size, int chunk_v) -> Tensor");
-  // Merges the R shards' row states (partials [R, N, 8], in shard order) and finishes the rows:
-  // (loss [N], row_stats [N, 7]) as fused_linear_fwd / logits_fwd return them over the whole
+  // Merges the R shards' row states (partials [R, N, 11], in shard order) and finishes the rows:
+  // (loss [N], row_stats [N, 8]) as fused_linear_fwd / logits_fwd return them over the whole
   // vocabulary (vocab_size entries; labels global). JSD's loss also needs the shards' mixture sums
   // ([R, N, 2]); without them only its row statistics' log-normalizers are final.
   m.def(

@@ -53,7 +53,7 @@ def _(x, w, vocab_size):
 def _(zs, zt, labels, bias_s, bias_t, row_stats, *options):
     if row_stats is not None:
         return zs.new_empty((1, zs.shape[0], 2), dtype=torch.float64)
-    return zs.new_empty((1, zs.shape[0], 8))  # one part (PartialField, row_partial.h)
+    return zs.new_empty((1, zs.shape[0], 11))  # one part (PartialField, row_partial.h)
 
 
 @torch.library.register_fake("nitrobrew::product_grads")
@@ -75,12 +75,13 @@ def _(x, factor):
 
 @torch.library.register_fake("nitrobrew::fused_linear_grad_chunk")
 def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergence, beta, temperature, ce_weight,
-      softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size, product_rows):
+      softcap_s, softcap_t, logit_scale_s, logit_scale_t, vocab_size, product_rows, entropy=False):
     torch._check(xs.dim() == 2 and xt.dim() == 2 and xs.shape[0] == xt.shape[0],
                  lambda: "xs and xt must be [N, D] with the same N")
     n, ld = xs.shape[0], (vocab_size + 7) // 8 * 8  # G's rows are padded to 8 entries (registration.cpp)
     return (xs.new_empty((n,), dtype=stats_dtype(xs.dtype)),
-            torch.empty_strided((n, vocab_size), (ld, 1), dtype=_grad_dtype(xs), device=xs.device))
+            torch.empty_strided((n, vocab_size), (ld, 1), dtype=_grad_dtype(xs), device=xs.device),
+            xs.new_empty((n if entropy else 0,), dtype=stats_dtype(xs.dtype)))
 
 
 # Where the automatic choice takes the training path: the devices where it measured faster than the
@@ -246,31 +247,42 @@ def _save(ctx, xs, ws, saved, group=None):
 
 class FusedLinearForwardGrads(torch.autograd.Function):
     """The fused-linear losses on the training path: forward returns the reduced loss and holds dxs, dws,
-    dbias_s; backward scales them by the upstream gradient."""
+    dbias_s; backward scales them by the upstream gradient. With `entropy` the forward also returns each
+    row's student entropy (no gradient; masked rows 0), else an empty tensor."""
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, labels, bias_s, bias_t, options: tuple, reduction: str, chunk_bytes: int,
-                needs: tuple, shards=None):
+                needs: tuple, shards=None, entropy: bool = False):
         # shards: a vocabulary shard per rank (nitrobrew/_training_shards.py), whose chunks merge their rows
         # over the group; else the whole vocabulary, one op per chunk.
+        entropies = []
         if shards is not None:  # data parallelism: every rank's tokens, gathered
+            if entropy:
+                raise NotImplementedError("the student's entropy is not formed over vocabulary shards")
             xs, xt, labels = shards.gather_tokens(xs, xt, labels)
             rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t)
         else:
-            rows = _ChunkRows(options[-1], options[-1], None, lambda b0, b1, row_scale, product_rows: (
-                ops.fused_linear_grad_chunk(xs[b0:b1], xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1],
-                                            bias_s, bias_t, row_scale, *options, product_rows)))
+            def grad_chunk(b0, b1, row_scale, product_rows):
+                loss_b, grad_b, entropy_b = ops.fused_linear_grad_chunk(
+                    xs[b0:b1], xt[b0:b1], ws, wt, None if labels is None else labels[b0:b1], bias_s, bias_t,
+                    row_scale, *options, product_rows, entropy)
+                entropies.append(entropy_b)
+                return loss_b, grad_b
+
+            rows = _ChunkRows(options[-1], options[-1], None, grad_chunk)
         # The products' dtypes are this path's own: torch.autocast (the caller's inputs are already cast)
         # must not round G or the hidden states again.
         with torch.autocast(xs.device.type, enabled=False):
             loss, saved = _forward_grads(xs, ws, labels, options[0], reduction, chunk_bytes, needs, rows)
         _save(ctx, xs, ws, saved, None if rows.owners is None else shards.shard.group)
-        return loss
+        row_entropy = torch.cat(entropies) if entropy else loss.new_empty((0,))
+        ctx.mark_non_differentiable(row_entropy)
+        return loss, row_entropy
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_entropy):
         dxs, dws, dbias = _scaled_gradients(ctx, grad_loss)
-        return dxs, None, dws, None, None, dbias, None, None, None, None, None, None
+        return dxs, None, dws, None, None, dbias, None, None, None, None, None, None, None
 
 
 class TopKForwardGrads(torch.autograd.Function):

@@ -48,11 +48,12 @@ def saved_tensors(ctx) -> tuple:
     return tuple(held.get(i, t) for i, t in enumerate(ctx.saved_tensors))
 
 
-def _save_for_recompute(ctx, inputs, output, n_tensors: int) -> None:
-    """Saves the first n_tensors inputs and the row statistics; the remaining inputs are options."""
+def _save_for_recompute(ctx, inputs, output, n_tensors: int, backward_options: int | None) -> None:
+    """Saves the first n_tensors inputs and the row statistics; the remaining inputs are options, of which
+    the backward takes the first backward_options (all when None)."""
     _, row_stats = output
     save_tensors(ctx, (*inputs[:n_tensors], row_stats))
-    ctx.options = inputs[n_tensors:]
+    ctx.options = inputs[n_tensors:][:backward_options]
     ctx.mark_non_differentiable(row_stats)
 
 
@@ -63,6 +64,7 @@ def register_recompute_op(
     differentiable: Sequence[int],
     fake_forward: Callable,
     needs_flags: bool = False,
+    backward_options: int | None = None,
 ) -> None:
     """Registers the fake kernels of nitrobrew::<name>_fwd / _bwd and the forward's autograd.
 
@@ -72,6 +74,8 @@ def register_recompute_op(
     fake_forward(*inputs) -> (loss, row_stats): empty tensors of the outputs' shapes and dtypes.
     needs_flags: the backward op takes, after the options, one bool per differentiable input saying
         whether its gradient is wanted (an empty tensor comes back for one that is not).
+    backward_options: how many of the forward's options the backward takes (the first ones; the rest
+        concern the forward alone); None: all of them.
     """
     differentiable = tuple(differentiable)
     torch.library.register_fake(f"nitrobrew::{name}_fwd")(fake_forward)
@@ -92,7 +96,7 @@ def register_recompute_op(
     backward_op = getattr(ops, f"{name}_bwd")
 
     def setup_context(ctx, inputs, output):
-        _save_for_recompute(ctx, inputs, output, n_tensors)
+        _save_for_recompute(ctx, inputs, output, n_tensors, backward_options)
 
     def backward(ctx, grad_loss, _grad_row_stats):
         if torch.is_grad_enabled():

@@ -169,5 +169,6 @@ def loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels, bias_s, bias_t,
     from nitrobrew._forward_grads import FusedLinearForwardGrads
 
     needs = (shards.needs_dxs, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
-    return FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
-                                         needs, shards)
+    loss, _ = FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
+                                            needs, shards)
+    return loss

@@ -44,7 +44,7 @@ from nitrobrew import _checks
 from nitrobrew._registration import ops, save_tensors, saved_tensors, stats_dtype
 
 # Columns of a shard's unfinished row states (PartialField in csrc/divergence/row_partial.h).
-NUM_PARTIAL_FIELDS = 8
+NUM_PARTIAL_FIELDS = 11
 # Columns of the top-K row statistics before the K logits (TopKRowStat in csrc/divergence/topk_params.h).
 NUM_TOPK_ROW_STATS = 4
 
@@ -52,8 +52,8 @@ __all__ = ["FusedLinearCall", "TopKCall", "fused_linear_loss", "logits_loss", "s
            "topk_loss"]
 
 # The unfinished row state of a shard holding none of the vocabulary (PartialField, row_partial.h):
-# both softmax sides and the CE state empty (max -inf, sum 0), nothing summed, no label logit.
-_EMPTY_PARTIAL = (float("-inf"), 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0)
+# both softmax sides, the CE state and the entropy state empty (max -inf, sums 0), no label logit.
+_EMPTY_PARTIAL = (float("-inf"), 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0)
 
 
 def _fake_shard(x, row_stats):

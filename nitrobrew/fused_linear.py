@@ -31,8 +31,12 @@ from nitrobrew._registration import ops, register_recompute_op, row_outputs
 
 __all__ = ["forward_kl", "reverse_kl", "jsd"]
 
-# Columns of the forward's per-row statistics (RowStat in csrc/divergence/row_stats.h).
-NUM_ROW_STATS = 7
+# Columns of the forward's per-row statistics (RowStat in csrc/divergence/row_stats.h), and the column of
+# the student's entropy (kEntropyS: formed where the forward's `entropy` option asks for it).
+NUM_ROW_STATS = 8
+ENTROPY_COLUMN = 7
+# The options of fused_linear_fwd that its backward takes too: all but the last, `entropy`.
+_BACKWARD_OPTIONS = 11
 
 
 def _fake_forward(xs, xt, ws, wt, labels, bias_s, bias_t, *options):
@@ -47,7 +51,7 @@ def _fake_forward(xs, xt, ws, wt, labels, bias_s, bias_t, *options):
 # fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *options); gradients to xs, ws and bias_s (the
 # teacher's xt, wt, bias_t get none).
 register_recompute_op("fused_linear", n_tensors=7, differentiable=(0, 2, 5), fake_forward=_fake_forward,
-                      needs_flags=True)
+                      needs_flags=True, backward_options=_BACKWARD_OPTIONS)
 
 # Read once at import: torch.compile cannot trace the dispatcher query itself.
 _KERNEL_DEVICE_TYPES = kernel_device_types("fused_linear_fwd")
@@ -94,7 +98,8 @@ def _fused_linear_loss(
     process_group=None,
     grad_in_forward: bool | None = None,
     grad_chunk_mib: int | None = None,
-) -> Tensor:
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
         _checks.tensor(value, name)
@@ -156,9 +161,15 @@ def _fused_linear_loss(
     softcap_t = _checks.optional_positive_number(softcap_t, "softcap_t")
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     chunk_bytes = _forward_grads.chunk_budget_bytes(grad_chunk_mib)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be True or False, got {return_entropy!r}")
     train = _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
+        if return_entropy:
+            raise NotImplementedError(
+                "return_entropy=True is not supported over vocabulary shards (process_group= or DTensor weights) "
+                "yet: call without it, or pass the whole lm_head weights (DTensor.full_tensor()) to get the entropy")
         call = distributed.FusedLinearCall(
             divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
             _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
@@ -174,10 +185,15 @@ def _fused_linear_loss(
                logit_scale_t, vocab_size)
     if train:  # the gradients formed in the forward (_forward_grads.py)
         needs = (xs.requires_grad, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
-        return _forward_grads.FusedLinearForwardGrads.apply(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t,
-                                                            options, reduction, chunk_bytes, needs)
-    loss, _ = ops.fused_linear_fwd(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, *options, chunk_V or 0)
-    return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)
+        loss, entropy = _forward_grads.FusedLinearForwardGrads.apply(
+            xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes, needs, None,
+            return_entropy)
+    else:
+        rows, row_stats = ops.fused_linear_fwd(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, *options,
+                                               chunk_V or 0, return_entropy)
+        loss = reduce_rows(rows, lead_shape, reduction, flat_labels, ignore_index)
+        entropy = row_stats[:, ENTROPY_COLUMN]
+    return (loss, entropy.reshape(lead_shape)) if return_entropy else loss
 
 
 @torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
@@ -246,13 +262,18 @@ Args:
         gradients wanted when the loss is formed (requires_grad) are the ones formed: autograd.grad of
         fewer inputs pays for them all. Under torch.compile the training path specializes its graph on
         the number of tokens.
+    return_entropy: also return the student's entropy per token, -sum_v p_v log p_v of its
+        temperature-scaled distribution (what TRL's DistillationTrainer logs), formed in the same pass:
+        (loss, entropy) with entropy of xs's leading shape, in the loss's dtype, masked tokens 0, no
+        gradient. It costs an exponential per student logit. Not over vocabulary shards.
     process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
         a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
         on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's
         loss, xs.grad whole and ws.grad of its shard (nitrobrew.distributed). Weights given as
         DTensors sharded on dim 0 need no group (see nitrobrew.distributed for the two cases).
 
-Returns the loss in float32 (float64 for float64 inputs). Gradients flow to xs, ws and bias_s.
+Returns the loss in float32 (float64 for float64 inputs), and with return_entropy the entropy per token.
+Gradients flow to xs, ws and bias_s.
 nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
 """
 

@@ -111,6 +111,33 @@ def fused_linear(
     return loss.sum() / mask.sum().clamp(min=1)
 
 
+def student_entropy(
+    xs: Tensor,
+    ws: Tensor,
+    *,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    softcap_s: float | None = None,
+    vocab_size: int | None = None,
+    bias_s: Tensor | None = None,
+    logit_scale_s: float = 1.0,
+    dtype: torch.dtype | None = torch.float64,
+) -> Tensor:
+    """What the fused-linear losses return with return_entropy=True: -sum_v p_v log p_v of the student's
+    temperature-scaled distribution per row, masked rows 0."""
+    if dtype is not None:
+        xs, ws = xs.to(dtype), ws.to(dtype)
+        bias_s = None if bias_s is None else bias_s.to(dtype)
+    vocab_size = ws.shape[0] if vocab_size is None else vocab_size
+    bias_s = None if bias_s is None else bias_s[:vocab_size]
+    zs = model_logits(xs, ws[:vocab_size], bias=bias_s, logit_scale=logit_scale_s, softcap=softcap_s)
+    log_p = torch.log_softmax(zs / temperature, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    mask = torch.ones_like(entropy, dtype=torch.bool) if labels is None else labels != ignore_index
+    return torch.where(mask, entropy, torch.zeros_like(entropy))
+
+
 def logits(
     zs: Tensor,
     zt: Tensor,

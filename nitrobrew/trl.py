@@ -10,7 +10,6 @@ Needs TRL (an optional dependency, tested with 1.16.0); `import nitrobrew` never
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from trl import DistillationTrainer as _TRLDistillationTrainer
@@ -53,8 +52,9 @@ def _divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_he
                      teacher_lm_head_bias=None, student_logit_scale=1.0, teacher_logit_scale=1.0,
                      student_final_logit_softcapping=None, teacher_final_logit_softcapping=None, temperature=1.0):
     """TRL's _chunked_divergence_loss contract on nitrobrew.jsd: (loss, student entropy sum, valid count),
-    with TRL's logits scale * (h @ lm_head.T + bias), soft-capped, then divided by the temperature.
-    nitrobrew does not compute the student's entropy: its sum is NaN (TRL logs it, nothing trains on it)."""
+    with TRL's logits scale * (h @ lm_head.T + bias), soft-capped, then divided by the temperature. The
+    entropy (of the student's temperature-scaled distribution, over the completion tokens) is formed in the
+    loss's own pass (return_entropy)."""
     dtype = student_hidden_states.dtype
     weights = []
     for weight in (student_lm_head_weight, teacher_lm_head_weight, student_lm_head_bias, teacher_lm_head_bias):
@@ -63,23 +63,24 @@ def _divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_he
         weights.append(None if weight is None else weight.to(dtype))
     valid = completion_mask != 0
     labels = torch.where(valid, 0, -100).long()  # a mask only (no CE add-on): any id serves for the kept rows
-    loss_sum = jsd(student_hidden_states, teacher_hidden_states.to(dtype), weights[0], weights[1], beta=beta,
-                   temperature=temperature, labels=labels, reduction="sum", bias_s=weights[2], bias_t=weights[3],
-                   logit_scale_s=student_logit_scale, logit_scale_t=teacher_logit_scale,
-                   softcap_s=student_final_logit_softcapping, softcap_t=teacher_final_logit_softcapping)
+    loss_sum, entropy = jsd(student_hidden_states, teacher_hidden_states.to(dtype), weights[0], weights[1], beta=beta,
+                            temperature=temperature, labels=labels, reduction="sum", bias_s=weights[2],
+                            bias_t=weights[3], logit_scale_s=student_logit_scale, logit_scale_t=teacher_logit_scale,
+                            softcap_s=student_final_logit_softcapping, softcap_t=teacher_final_logit_softcapping,
+                            return_entropy=True)
     n_valid = valid.sum()
     if num_items_in_batch is None:
         loss = loss_sum / n_valid.clamp(min=1)
     else:
         count = num_items_in_batch
         loss = loss_sum / (count.to(loss_sum.device) if isinstance(count, torch.Tensor) else count)
-    return loss, torch.full((), math.nan, device=loss.device), n_valid
+    return loss, entropy.sum(), n_valid
 
 
 class DistillationTrainer(_TRLDistillationTrainer):
     """trl.DistillationTrainer whose divergence (TRL's chunked generalized JSD over the completion tokens,
     with `beta` and `temperature`) is computed by nitrobrew.jsd from the same hidden states. Generation,
-    masks and the reduction are TRL's; the logged student entropy is NaN (nitrobrew does not form it)."""
+    masks and the reduction are TRL's; the logged student entropy is formed in nitrobrew's pass."""
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         with _swapped(_distillation_module, "_chunked_divergence_loss", _divergence_loss):

@@ -58,10 +58,11 @@ struct OnlineKLPass {
   std::vector<KLState<acc_t>> kl;
   std::vector<SoftmaxState<acc_t>> ce;
   std::vector<acc_t> label_logit;
+  std::vector<EntropyState<acc_t>> ent;  // with p.entropy
 
   OnlineKLPass(const DistillParams& params, const uint8_t* valid_rows, const int64_t* labels)
       : p(params), valid(valid_rows), label(labels), kl(params.num_rows), ce(params.num_rows),
-        label_logit(params.num_rows, acc_t(0)) {}
+        label_logit(params.num_rows, acc_t(0)), ent(params.num_rows) {}
 
   void begin_vocab_tile(int64_t, int64_t) {}
   void end_row_chunk(const LogitTile&) {}
@@ -95,6 +96,22 @@ struct OnlineKLPass {
     part.a = sums[1];
     part.o.l = sums[2];
     merge_sides(kl[n], part);
+
+    if (p.entropy) {  // the student's entropy, relative to its own maximum
+      const acc_t* zstu = weight_by_student ? zw : zo;
+      EntropyState<acc_t> ent_part;
+      ent_part.m = weight_by_student ? part.w.m : part.o.m;
+      if (ent_part.m != kNegInf<acc_t>) {
+        const auto ent_sums = lane_sums<acc_t, 2>(cols, [&](int64_t v) {
+          const acc_t d = scale_logit(zstu[v], inv_t) - ent_part.m;
+          const acc_t e = exp_(d);
+          return std::array<acc_t, 2>{e, e == acc_t(0) ? acc_t(0) : e * d};
+        });
+        ent_part.l = ent_sums[0];
+        ent_part.c = ent_sums[1];
+      }
+      merge(ent[n], ent_part);
+    }
 
     if (p.ce_weight != 0.0) {
       const acc_t max_s = weight_by_student ? max_w : max_o;
@@ -162,7 +179,8 @@ at::Tensor distill_partials(Source& source, const c10::optional<at::Tensor>& lab
   at::Tensor partials = at::empty({p.num_rows, kNumPartialFields}, acc_options);
   acc_t* out = partials.data_ptr<acc_t>();
   for (int64_t n = 0; n < p.num_rows; ++n) {
-    store_partial(RowPartial<acc_t>{kl_pass.kl[n], kl_pass.ce[n], kl_pass.label_logit[n]}, out + n * kNumPartialFields);
+    store_partial(RowPartial<acc_t>{kl_pass.kl[n], kl_pass.ce[n], kl_pass.label_logit[n], kl_pass.ent[n]},
+                  out + n * kNumPartialFields);
   }
   return partials;
 }

@@ -29,6 +29,7 @@ DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_
   p.hidden_s = p.hidden_t = 0;
   p.chunk_v = 0;
   p.has_labels = labels.has_value();
+  p.entropy = false;
   return p;
 }
 

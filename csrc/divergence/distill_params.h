@@ -30,6 +30,7 @@ struct DistillParams {
   int64_t vocab_size;  // V: real vocabulary rows of ws and wt; padded rows past it are ignored
   int64_t chunk_v;     // vocabulary tile width requested by the caller (0 = automatic)
   bool has_labels;
+  bool entropy;  // also each row's student entropy (RowStat kEntropyS): the fused-linear forwards, when asked
 };
 
 // The divergence named by an op's `divergence` argument: "forward_kl", "reverse_kl" or "jsd".

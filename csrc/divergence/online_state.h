@@ -59,6 +59,56 @@ NB_HOST_DEVICE void merge(KLState<T>& into, const KLState<T>& part) {
   merge(into.o, part.o);
 }
 
+// Running entropy of one distribution (the student's, when a caller asks for it): its softmax state
+// and c = sum_v e^{x_v - m} (x_v - m), relative to the same maximum. Then H = log l - c / l, with no
+// large terms to cancel (c / l is E[x] - m). Its own maximum, apart from the KL state's, keeps it out
+// of the KL folds: it costs an exponential per entry, and only where it is asked for.
+template <typename T>
+struct EntropyState {
+  T m = kNegInf<T>;
+  T l = T(0);
+  T c = T(0);
+};
+
+// Raises an entropy state's maximum to m_new (finite, >= m): l and c rescaled, c's terms shifted.
+template <typename T>
+NB_HOST_DEVICE void raise_max(EntropyState<T>& st, T m_new) {
+  if (st.m == kNegInf<T>) {  // empty: nothing to rescale (never form -inf - m_new)
+    st.m = m_new;
+    return;
+  }
+  const T r = exp_(st.m - m_new);
+  st.c = r * (st.c + st.l * (st.m - m_new));
+  st.l *= r;
+  st.m = m_new;
+}
+
+// Adds entry x (at most st.m, or -inf) given its e = exp(x - st.m): a -inf entry adds 0, not 0 * -inf.
+template <typename T>
+NB_HOST_DEVICE void add_entry(EntropyState<T>& st, T x, T e) {
+  st.l += e;
+  st.c += e == T(0) ? T(0) : e * (x - st.m);
+}
+
+template <typename T>
+NB_HOST_DEVICE void merge(EntropyState<T>& into, EntropyState<T> part) {
+  if (part.m == kNegInf<T>) return;
+  if (into.m > part.m) {
+    raise_max(part, into.m);
+  } else if (part.m > into.m) {
+    raise_max(into, part.m);
+  }
+  into.l += part.l;
+  into.c += part.c;
+}
+
+// H = -sum p log p of a merged state; 0 for an empty one: a state nobody asked for (a row whose
+// student has no entry above -inf is undefined, and NaN, before its entropy is read).
+template <typename T>
+NB_HOST_DEVICE T entropy(const EntropyState<T>& st) {
+  return st.m == kNegInf<T> ? T(0) : log_(st.l) - st.c / st.l;
+}
+
 // A distribution's log-normalizer kept as (max, log of the sum relative to it) rather than
 // their sum: log p_v = (x_v - max) - log_sum then loses nothing to rounding the lse, which
 // matters once logits reach ~1e2 (an fp32 lse of 100 has an ulp of 8e-6).

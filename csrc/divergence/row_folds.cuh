@@ -164,6 +164,31 @@ struct CEAccumulator {
   }
 };
 
+// The student's entropy state of a thread's entries (where a caller asks for it): its own running maximum,
+// rescaled only when a chunk raises it, and an exponential per entry.
+template <typename T, typename acc_t>
+struct EntropyAccumulator {
+  EntropyState<acc_t> st;
+
+  template <int kN>
+  __device__ __forceinline__ void chunk(const acc_t (&s)[kN]) {
+    acc_t max_s = kNegInf<acc_t>;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) max_s = nan_max(max_s, s[k]);
+    if (!(max_s <= st.m)) raise_max(st, max_s);  // a NaN maximum turns the state NaN for good
+    if (st.m != kNegInf<acc_t>) {
+      const RowExp<T, acc_t> ex;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const acc_t d = s[k] - st.m;
+        const acc_t e = ex(d);
+        st.l += e;
+        st.c += e == acc_t(0) ? acc_t(0) : e * d;
+      }
+    }
+  }
+};
+
 // Merge of the unfinished row states of a warp's lanes, in a fixed order (a butterfly): every lane
 // ends with the warp's state.
 template <typename acc_t>

@@ -20,6 +20,9 @@ enum PartialField : int {
   kPartMaxCE,       // the CE add-on's softmax state of the student's temperature-1 logits
   kPartSumCE,
   kPartLabelLogit,  // the student's logit at the row's label, 0 where this part does not hold it
+  kPartMaxH,        // the student's entropy state (EntropyState), empty unless asked for
+  kPartSumH,
+  kPartCH,
   kNumPartialFields
 };
 
@@ -28,6 +31,7 @@ struct RowPartial {
   KLState<T> kl;
   SoftmaxState<T> ce;
   T label_logit = T(0);
+  EntropyState<T> ent;  // the student's temperature-scaled logits, where asked for (DistillParams::entropy)
 };
 
 // Merges `part` into `into` where part's weighting side may be empty (every entry -inf): its other
@@ -47,6 +51,7 @@ NB_HOST_DEVICE void merge(RowPartial<T>& into, const RowPartial<T>& part) {
   merge_sides(into.kl, part.kl);
   merge(into.ce, part.ce);
   into.label_logit += part.label_logit;
+  merge(into.ent, part.ent);
 }
 
 template <typename T, typename S>
@@ -57,6 +62,7 @@ NB_HOST_DEVICE RowPartial<T> load_partial(const S* in) {
   r.kl.a = T(in[kPartA]);
   r.ce = {T(in[kPartMaxCE]), T(in[kPartSumCE])};
   r.label_logit = T(in[kPartLabelLogit]);
+  r.ent = {T(in[kPartMaxH]), T(in[kPartSumH]), T(in[kPartCH])};
   return r;
 }
 
@@ -70,6 +76,9 @@ NB_HOST_DEVICE void store_partial(const RowPartial<T>& r, S* out) {
   out[kPartMaxCE] = S(r.ce.m);
   out[kPartSumCE] = S(r.ce.l);
   out[kPartLabelLogit] = S(r.label_logit);
+  out[kPartMaxH] = S(r.ent.m);
+  out[kPartSumH] = S(r.ent.l);
+  out[kPartCH] = S(r.ent.c);
 }
 
 // How a merged row is finished: the divergence's direction and the CE add-on.
@@ -91,6 +100,7 @@ NB_HOST_DEVICE T finish_row(const RowPartial<T>& st, const RowFinish& f, int64_t
     return kNaN<T>;
   }
   T value = store_kl_row(finish_kl_row(st.kl, f.weight_by_student), row);
+  row[kEntropyS] = entropy(st.ent);  // 0 where not asked for (an empty state)
   row[kMaxCE] = row[kLogSumCE] = T(0);
   if (f.ce_weight != 0.0) {
     LogNormalizer<T> norm_ce = log_normalizer(st.ce);

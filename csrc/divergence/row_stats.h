@@ -9,8 +9,8 @@ namespace nitrobrew {
 // Columns of the forward's per-row statistics, a [N, kNumRowStats] tensor that the
 // backward reads: the log-normalizers of the student, the teacher and the cross-entropy
 // add-on (temperature 1) as (max, log-sum), and the gradient's centre (divergence_grad in
-// online_state.h): E_p[s - t] for reverse KL, KL(p||M) for JSD. Rows whose label is
-// ignore_index hold zeros.
+// online_state.h): E_p[s - t] for reverse KL, KL(p||M) for JSD; then the student's entropy where a
+// caller asked for it (0 elsewhere). Rows whose label is ignore_index hold zeros.
 enum RowStat : int {
   kMaxS = 0,
   kLogSumS,
@@ -19,6 +19,7 @@ enum RowStat : int {
   kGradCenter,
   kMaxCE,
   kLogSumCE,
+  kEntropyS,
   kNumRowStats
 };
 

@@ -68,10 +68,11 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const c10::optional<at::Tensor>& bias_t, int64_t ignore_index, c10::string_view divergence, double beta,
     double temperature, double ce_weight, c10::optional<double> softcap_s, c10::optional<double> softcap_t,
-    double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
-                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                                   logit_scale_t, vocab_size, chunk_v);
+    double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v, bool entropy) {
+  DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
+                                             temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
+                                             vocab_size, chunk_v);
+  p.entropy = entropy;
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   const c10::cuda::CUDAGuard guard(xs.device());
   const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);

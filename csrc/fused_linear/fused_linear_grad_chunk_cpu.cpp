@@ -23,7 +23,7 @@ namespace {
 constexpr int64_t kRowStrideAlign = 8;  // the row stride of G, as on CUDA
 
 template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws,
                                               const at::Tensor& wt, const c10::optional<at::Tensor>& labels,
                                               const c10::optional<at::Tensor>& bias_s,
                                               const c10::optional<at::Tensor>& bias_t, const at::Tensor& row_scale,
@@ -37,6 +37,7 @@ std::tuple<at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Te
   const int64_t ld = (vocab + kRowStrideAlign - 1) / kRowStrideAlign * kRowStrideAlign;
   at::Tensor loss = at::empty({n}, options);
   at::Tensor grad = at::empty({n, ld}, options).narrow(1, 0, vocab);
+  at::Tensor entropy = at::zeros({p.entropy ? n : 0}, options);  // masked rows: 0
   const acc_t scale = row_scale.item<acc_t>();
   const at::Tensor bs = bias_s.has_value() ? bias_s->to(acc_dtype) : at::Tensor();
   const at::Tensor bt = bias_t.has_value() ? bias_t->to(acc_dtype) : at::Tensor();
@@ -55,6 +56,7 @@ std::tuple<at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Te
     at::Tensor loss_c, stats_c;
     std::tie(loss_c, stats_c) = distill_forward<acc_t>(source, labels_c, pc, options);
     loss.narrow(0, r0, count).copy_(loss_c);
+    if (p.entropy) entropy.narrow(0, r0, count).copy_(stats_c.select(1, kEntropyS));
 
     const std::vector<uint8_t> valid = row_mask(labels_c, pc, /*check_label_range=*/false);
     const std::vector<acc_t> row_grad(count, scale);
@@ -63,24 +65,25 @@ std::tuple<at::Tensor, at::Tensor> grad_chunk(const at::Tensor& xs, const at::Te
     pass.dzs = grad.narrow(0, r0, count);
     walk_logit_tiles<acc_t>(source, pc, plan, options, pass);
   }
-  return {loss, grad};
+  return {loss, grad, entropy};
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_grad_chunk_cpu(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const c10::optional<at::Tensor>& bias_t, const at::Tensor& row_scale, int64_t ignore_index,
     c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
     c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size,
-    int64_t product_rows) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
-                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                                   logit_scale_t, vocab_size, /*chunk_v=*/0);
+    int64_t product_rows, bool entropy) {
+  DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
+                                             temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
+                                             vocab_size, /*chunk_v=*/0);
+  p.entropy = entropy;
   TORCH_CHECK(xs.device().is_cpu(), "xs must be a CPU tensor here, got ", xs.device());
   TORCH_CHECK(row_scale.dim() == 0 && row_scale.device().is_cpu(), "row_scale must be a scalar CPU tensor, got ",
               row_scale.sizes(), " on ", row_scale.device());
   TORCH_CHECK(product_rows >= 1, "product_rows must be positive, got ", product_rows);
-  std::tuple<at::Tensor, at::Tensor> out;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "fused_linear_grad_chunk_cpu", [&] {
     out = grad_chunk<scalar_t>(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, p, product_rows);
   });

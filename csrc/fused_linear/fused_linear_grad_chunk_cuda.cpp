@@ -22,16 +22,17 @@ namespace nitrobrew {
 namespace cuda {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const c10::optional<at::Tensor>& bias_t, const at::Tensor& row_scale, int64_t ignore_index,
     c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
     c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size,
-    int64_t product_rows) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
-                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                                   logit_scale_t, vocab_size, /*chunk_v=*/0);
+    int64_t product_rows, bool entropy) {
+  DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
+                                             temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
+                                             vocab_size, /*chunk_v=*/0);
+  p.entropy = entropy;
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   TORCH_CHECK(row_scale.dim() == 0 && row_scale.scalar_type() == at::kFloat && row_scale.device() == xs.device(),
               "row_scale must be a float32 scalar tensor on ", xs.device(), ", got ", row_scale.scalar_type(), " ",
@@ -42,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
   const int64_t n = p.num_rows, vocab = p.vocab_size, ld = product_row_stride(vocab);
   at::Tensor loss = at::zeros({n}, xs.options().dtype(at::kFloat));  // masked rows: 0
   at::Tensor grad = at::empty({n, ld}, xs.options()).narrow(1, 0, vocab);
-  if (n == 0) return {loss, grad};
+  at::Tensor row_entropy = at::zeros({entropy ? n : 0}, xs.options().dtype(at::kFloat));
+  if (n == 0) return {loss, grad, row_entropy};
   const int64_t rows = std::min(product_rows, n);
   // Both models' products of `rows` rows, reused by every step of the chunk.
   at::Tensor products = at::empty({2, rows, ld}, xs.options().dtype(at::kFloat));
@@ -65,9 +67,10 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_grad_chunk_cuda(
     l.loss = loss.data_ptr<float>() + r0;
     l.grad = static_cast<char*>(grad.data_ptr()) + r0 * ld * grad.element_size();
     l.ld_grad = ld;
+    l.entropy = entropy ? row_entropy.data_ptr<float>() + r0 : nullptr;
     launch_product_rows(l, p, xs.scalar_type());
   }
-  return {loss, grad};
+  return {loss, grad, row_entropy};
 }
 
 }  // namespace

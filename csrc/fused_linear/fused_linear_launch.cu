@@ -35,8 +35,11 @@ FusedLinearPasses::FusedLinearPasses(const FusedLinearOperands& in, const Distil
 void FusedLinearPasses::kl_pass(at::Tensor& partial, at::Tensor& label_logit) const {
   const LaunchPlan plan = walk_.forward_plan();
   NITROBREW_DISPATCH_16_32("nitrobrew_kl_pass", {
-    const typename KLPass<T>::Params params{partial.data_ptr<float>(), label_logit.data_ptr<float>()};
-    walk_.launch<T, KLPass<T>>(a, plan, params);
+    if (p_.entropy) {  // the variant that also folds the student's entropy
+      walk_.launch<T, KLPass<T, true>>(a, plan, {partial.data_ptr<float>(), label_logit.data_ptr<float>()});
+    } else {
+      walk_.launch<T, KLPass<T>>(a, plan, {partial.data_ptr<float>(), label_logit.data_ptr<float>()});
+    }
   });
 }
 

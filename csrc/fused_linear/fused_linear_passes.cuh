@@ -25,6 +25,18 @@ namespace nitrobrew {
 namespace cuda {
 
 
+// The four lanes of a quad hold the same two rows; merges their entropy states (all lanes take part).
+__device__ __forceinline__ void merge_across_quad(EntropyState<float>& st) {
+#pragma unroll
+  for (int mask = 1; mask <= 2; mask <<= 1) {
+    EntropyState<float> other;
+    other.m = shfl_xor(st.m, mask);
+    other.l = shfl_xor(st.l, mask);
+    other.c = shfl_xor(st.c, mask);
+    merge(st, other);
+  }
+}
+
 // The four lanes of a quad hold the same two rows; merges their states (all lanes take part).
 __device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxState<float>& ce) {
 #pragma unroll
@@ -43,7 +55,9 @@ __device__ __forceinline__ void merge_across_quad(KLState<float>& st, SoftmaxSta
   }
 }
 
-template <typename T>
+// kEntropy: the student's entropy state too, on the general fold of every tile (return_entropy). A template
+// argument: as a run-time test its state stayed live in the sm_90a kernel's registers and added spills there.
+template <typename T, bool kEntropy = false>
 struct KLPass {
   using Args = FusedLinearArgs<T>;
   static constexpr bool kStudentOnly = false;
@@ -54,6 +68,7 @@ struct KLPass {
   Params p;
   KLState<float> st[2];
   SoftmaxState<float> ce[2];
+  EntropyState<float> ent[2];  // kEntropy: the student's
 
   __device__ __forceinline__ KLPass(const FusedLinearArgs<T>&, const FragmentRows&, const Params& params)
       : p(params) {}
@@ -62,7 +77,7 @@ struct KLPass {
   __device__ __forceinline__ void tile(const FusedLinearArgs<T>& a, const FragmentRows& rows, int64_t v0,
                                        const ZS& zs, const ZT& zt) {
     constexpr int kN = ZT::kNTiles;
-    if (a.ce_weight == 0.f && v0 + 8 * kN <= a.vocab_size) {
+    if (a.ce_weight == 0.f && !kEntropy && v0 + 8 * kN <= a.vocab_size) {
       plain_tile(a, zs, zt);
       return;
     }
@@ -109,6 +124,22 @@ struct KLPass {
       }
       merge(st[i], part);
       merge(ce[i], ce_part);
+      if constexpr (kEntropy) {  // the student's entropy, relative to its scaled maximum (an exponential per entry)
+        EntropyState<float> ent_part;
+        ent_part.m = scale_logit(max_zs, inv_t);
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
+            const float d = scale_logit(zs.at(j, 2 * i + e), inv_t) - ent_part.m;
+            const float ex = PassExp<T>{}(d);
+            ent_part.l += ex;
+            ent_part.c += ex == 0.f ? 0.f : ex * d;
+          }
+        }
+        merge(ent[i], ent_part);
+      }
     }
   }
 
@@ -200,7 +231,7 @@ struct KLPass {
   SoftmaxState<float> pre_o[2];
 
   __device__ __forceinline__ bool student_side_first(const FusedLinearArgs<T>& a, int64_t v0, int cols) const {
-    return a.ce_weight == 0.f && v0 + cols <= a.vocab_size && a.div.kind != Divergence::kReverseKL;
+    return a.ce_weight == 0.f && !kEntropy && v0 + cols <= a.vocab_size && a.div.kind != Divergence::kReverseKL;
   }
 
   template <typename ZS>
@@ -239,9 +270,10 @@ struct KLPass {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       merge_across_quad(st[i], ce[i]);
+      if constexpr (kEntropy) merge_across_quad(ent[i]);
       if (rows.valid[i] && threadIdx.x % 4 == 0) {
         // The label's logit goes to label_logit (its one writer); the field stays 0.
-        store_partial(RowPartial<float>{st[i], ce[i], 0.f},
+        store_partial(RowPartial<float>{st[i], ce[i], 0.f, kEntropy ? ent[i] : EntropyState<float>{}},
                       p.partial + (split * a.n_rows + rows.row[i]) * kNumPartialFields);
       }
     }

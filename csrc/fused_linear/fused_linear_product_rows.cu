@@ -60,13 +60,16 @@ struct ProductRowArgs {
   __device__ __forceinline__ RowSlice slice() const { return RowSlice::of_block(vocab, width, slices); }
 };
 
-// Pass 1 of one thread: the KL state of the scaled logits, and the cross-entropy add-on's state.
-template <typename T, bool kWeightByStudent>
+// Pass 1 of one thread: the KL state of the scaled logits, and the cross-entropy add-on's state; with
+// kEntropy the student's entropy state too (a template argument: as a run-time test it made ptxas spill in
+// the variants with model options, which run whether it is asked for or not).
+template <typename T, bool kWeightByStudent, bool kEntropy>
 struct PartialFold {
   KLAccumulator<T, float, kWeightByStudent> kl{};
   CEAccumulator<T, float> ce;
   float inv_t;
   bool with_ce;  // a run-time test: as a template argument it made ptxas spill the CE variant's held chunks
+  EntropyAccumulator<T, float> ent{};
 
   template <int kN>
   __device__ __forceinline__ void chunk(const float (&ys)[kN], const float (&yt)[kN], int64_t v0) {
@@ -78,9 +81,10 @@ struct PartialFold {
     }
     kl.template chunk<kN>(s, t, v0);
     if (with_ce) ce.template chunk<kN>(ys, v0);
+    if constexpr (kEntropy) ent.template chunk<kN>(s);
   }
 
-  __device__ RowPartial<float> state() const { return {kl.st, ce.st, ce.label_logit}; }
+  __device__ RowPartial<float> state() const { return {kl.st, ce.st, ce.label_logit, ent.st}; }
 };
 
 // JSD's mixture pass of one thread, in the mixture's arithmetic type (float64 for float32 inputs).
@@ -134,12 +138,12 @@ struct GradFold {
 // Partials: a slice's unfinished row state (masked rows: none; merge_rows_kernel skips them).
 // kPlain: plain_logits (no bias, scale or soft-cap), which keeps per-entry work out of the loop that every entry
 // runs: these kernels are bound by the instructions they issue (docs/notes/fused_linear_training_path.md).
-template <typename T, bool kWeightByStudent, bool kPlain>
+template <typename T, bool kWeightByStudent, bool kPlain, bool kEntropy>
 __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_partials_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   if (a.masked(r.row)) return;
   const int64_t label = a.labels != nullptr ? a.labels[r.row] : -1;
-  PartialFold<T, kWeightByStudent> fold{{}, {{}, 0.f, label}, a.inv_t, a.ce_weight != 0.f};
+  PartialFold<T, kWeightByStudent, kEntropy> fold{{}, {{}, 0.f, label}, a.inv_t, a.ce_weight != 0.f};
   for_each_product_chunk<true, kPlain>(a.source(r), r.begin, r.size(), fold);
   const RowPartial<float> part = block_merge(fold.state());
   if (threadIdx.x == 0) store_partial(part, a.partial + (r.slice * a.rows + r.row) * kNumPartialFields);
@@ -235,8 +239,10 @@ template <typename T>
 void launch_partials(const ProductRowArgs<T>& a, const DistillParams& p, cudaStream_t stream) {
   with_plain(a, [&](auto plain) {
     with_flag(p.kind == Divergence::kReverseKL, [&](auto by_student) {
-      row_partials_kernel<T, decltype(by_student)::value, decltype(plain)::value>
-          <<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+      with_flag(p.entropy, [&](auto entropy) {
+        row_partials_kernel<T, decltype(by_student)::value, decltype(plain)::value, decltype(entropy)::value>
+            <<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+      });
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -270,12 +276,14 @@ at::Tensor mixture_buffer(ProductRowArgs<T>& a, const at::TensorOptions& options
 // The single-device step: partials, their merge into the finished rows, (JSD) the mixture and its merge,
 // then the gradients.
 template <typename T>
-void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss) {
+void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss, float* entropy) {
   using mix_t = MixtureType<T, float>;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto options = at::TensorOptions().device(at::kCUDA, c10::cuda::current_device());
   const at::Tensor partial = at::empty({a.slices, a.rows, kNumPartialFields}, options.dtype(at::kFloat));
-  const at::Tensor row_stats = at::empty({a.rows, kNumRowStats}, options.dtype(at::kFloat));
+  // Masked rows' statistics stay as allocated: zeros where their entropy is read.
+  const at::Tensor row_stats = entropy != nullptr ? at::zeros({a.rows, kNumRowStats}, options.dtype(at::kFloat))
+                                                  : at::empty({a.rows, kNumRowStats}, options.dtype(at::kFloat));
   const bool jsd = p.kind == Divergence::kJSD;
   const at::Tensor mixture = jsd ? mixture_buffer(a, options) : at::Tensor();
   a.partial = partial.data_ptr<float>();
@@ -292,6 +300,7 @@ void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss) {
                                                                               a.mixture, nullptr, loss, stats);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (entropy != nullptr) at::from_blob(entropy, {a.rows}, options.dtype(at::kFloat)).copy_(row_stats.select(1, kEntropyS));
   launch_grads(a, stream);
 }
 
@@ -331,7 +340,7 @@ void launch_product_rows(const ProductRowsLaunch& l, const DistillParams& p, at:
   if (l.rows == 0) return;
   NITROBREW_DISPATCH_CUDA_FLOATS(dtype, "nitrobrew_product_rows", {
     ProductRowArgs<T> a = row_args<T>(l, p);
-    launch_rows(a, p, l.loss);
+    launch_rows(a, p, l.loss, l.entropy);
   });
 }
 

@@ -24,6 +24,7 @@ struct ProductRowsLaunch {
   void* grad;              // [rows, ld_grad] in the inputs' dtype: dLoss/dz * row_scale * logit_scale_s
   int64_t ld_grad;
   const float* row_stats = nullptr;  // [rows, kNumRowStats] over the whole vocabulary (a shard's stages)
+  float* entropy = nullptr;          // [rows]: each row's student entropy (masked rows 0), where p.entropy
 };
 
 // The row stride (in entries) that the stored products and dLoss/dz of a row of `vocab` columns must have.

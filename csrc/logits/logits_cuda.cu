@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
   a.loss[n] = store_kl_row(finish_kl_row(st, kWeightByStudent), stats);
   stats[kMaxCE] = acc_t(0);
   stats[kLogSumCE] = acc_t(0);
+  stats[kEntropyS] = acc_t(0);  // the fused-linear forwards' alone, where asked for
 }
 
 template <typename T, typename acc_t>

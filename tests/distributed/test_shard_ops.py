@@ -160,7 +160,7 @@ def test_product_ops_reject_bad_inputs():
         ops.product_partials(z, z, None, torch.zeros(9), None, None, *options, torch.float32)
     with pytest.raises(RuntimeError, match="zs must be in the accumulation dtype of Double inputs"):
         ops.product_partials(z, z, None, None, None, None, *options, torch.float64)
-    with pytest.raises(RuntimeError, match="row_stats must be \\[N, 7\\]"):
+    with pytest.raises(RuntimeError, match="row_stats must be \\[N, 8\\]"):
         ops.product_grads(z, z, None, None, None, torch.zeros(4, 3), torch.tensor(1.0), *options, torch.bfloat16)
 
 

@@ -42,6 +42,20 @@ def test_opcheck_forward(device, beta, ce_weight, softcaps, vocab_size, model):
     torch.library.opcheck(torch.ops.nitrobrew.fused_linear_fwd.default, args)
 
 
+@pytest.mark.parametrize("model", [False, True])
+def test_opcheck_with_entropy(device, model):
+    # The forward-only option `entropy`: the recompute forward's row statistics carry it (its backward takes
+    # the other options), and the training path's step returns it as a third output.
+    xs, xt, ws, wt, labels = make_problem(n=7, v=12, d_s=5, d_t=6, device=device, masked=True, rows_s=13, rows_t=13)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    args = _op_args(xs, xt, ws, wt, labels, 0.3, 0.0, (3.0, 4.0) if model else None, 12, model)
+    torch.library.opcheck(torch.ops.nitrobrew.fused_linear_fwd.default, (*args, True))
+    chunk_args = (*args[:7], torch.tensor(0.25, device=device), *args[7:-1], 5, True)
+    torch.library.opcheck(torch.ops.nitrobrew.fused_linear_grad_chunk.default,
+                          tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in chunk_args))
+
+
 @pytest.mark.parametrize("compute", [(True, True, True), (True, False, False), (False, True, False),
                                      (False, False, True)])
 @pytest.mark.parametrize("model", [False, True])

@@ -55,6 +55,26 @@ def test_every_kernel_once(grad_in_forward):
 
 
 @PATHS
+def test_entropy_once(grad_in_forward):
+    # return_entropy: the general fold of every tile (quad merges of the entropy state; sm_90a's and sm_80's KL
+    # pass) and the training path's partials variant that folds it; both divergence directions.
+    dev = "cuda"
+    for dtype, (n, v, d_s, d_t) in [(torch.bfloat16, (400, 1500, 330, 620)), (torch.float32, (70, 200, 24, 40))]:
+        xs = torch.randn(n, d_s, device=dev, dtype=dtype, requires_grad=True)
+        xt = torch.randn(n, d_t, device=dev, dtype=dtype)
+        ws = torch.randn(v + 3, d_s, device=dev, dtype=dtype, requires_grad=True)
+        wt = torch.randn(v + 5, d_t, device=dev, dtype=dtype)
+        labels = torch.randint(0, v, (n,), device=dev)
+        labels[::4] = -100
+        for beta in (0.0, 1.0):
+            loss, entropy = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, vocab_size=v, temperature=2.0,
+                                          grad_in_forward=grad_in_forward, grad_chunk_mib=1, return_entropy=True)
+            loss.backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and torch.isfinite(entropy).all() and (entropy[::4] == 0).all()
+
+
+@PATHS
 def test_bias_and_logit_scale_once(grad_in_forward):
     # The lm_head biases are read at each tile's columns (the last tile partial, V = 1000 of 1003 /
     # 1005 rows), and the backward's bias gradient reads the chunk: both kernel families via the runner.

@@ -329,6 +329,14 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature, families):
         theirs = values_and_grads(lambda: TRLDistillationTrainer._compute_loss(state, student, inputs, items)[0],
                                   student)
         assert_same(ours, theirs)
+    # The logged student entropy (a sum over the completion tokens, and their count) is TRL's, not NaN: in
+    # evaluation (the recompute path) and in training (the training path).
+    for mode in (torch.no_grad, torch.enable_grad):
+        with mode():
+            _, our_entropy, our_count = DistillationTrainer._compute_loss(state, student, inputs, None)
+            _, their_entropy, their_count = TRLDistillationTrainer._compute_loss(state, student, inputs, None)
+        assert torch.isfinite(our_entropy) and int(our_count) == int(their_count)
+        torch.testing.assert_close(our_entropy.double(), their_entropy.double(), rtol=1e-5, atol=1e-5)
 
 
 def _word_tokenizer():

@@ -17,6 +17,8 @@
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
+#   bench_entropy  what return_entropy=True costs each path (Qwen and Llama-3 shapes, TOKENS 8192), alternated
+#                with the same path without it
 #   accuracy     the fused-linear losses' errors against float64, both paths (benchmarks/accuracy_fused_linear.py)
 #   bench_topk_logprobs  the teacher's top-K (nitrobrew.topk_logprobs) against cuBLAS's one product and naive
 #                PyTorch, N 8192 and 32768, Qwen and Llama-3 teachers, K 8-256 (benchmarks/topk_logprobs.py;
@@ -113,6 +115,14 @@ for step in $steps; do
         --rounds "${ROUNDS:-3}" --repeats "${REPEATS:-5}" --modes ${MODES:-fwd_bwd forward} \
         --methods ${METHODS:-cublas_gemms nitrobrew_training nitrobrew_recompute composition} "${shapes[@]}" \
         --out "$OUT/fused_linear_training_cuda.csv" ;;
+    # What the student's entropy (return_entropy=True) costs each path, alternated with the same path without it.
+    bench_entropy)
+      shapes=()
+      for t in ${TOKENS:-8192}; do shapes+=(--shape "$t,152064,3584,5120" --shape "$t,128256,2048,4096"); done
+      run bench_entropy python3 benchmarks/fused_linear.py --device cuda --loss "${LOSS:-forward_kl}" \
+        --rounds "${ROUNDS:-3}" --repeats "${REPEATS:-5}" --modes fwd_bwd forward \
+        --methods nitrobrew_training nitrobrew_training_entropy nitrobrew_recompute nitrobrew_recompute_entropy \
+        "${shapes[@]}" --out "$OUT/fused_linear_entropy_cuda.csv" ;;
     # The fused-linear losses' errors against float64 on both paths (ACC_TOKENS, 2048; ACC_CHUNK_MIB: the
     # training path's bound, so that dws is rounded once per chunk of it).
     accuracy) for loss in forward_kl reverse_kl jsd; do
