@@ -74,6 +74,16 @@ def write_build_info() -> None:
                 f"WITH_CUDA = {build.cuda_wanted()!r}\n")
 
 
+class SharedBuildTemp(BuildExtension):
+    """build_ext whose objects stay in build/temp-<torch tag>-<python tag> for every kind of build: setuptools
+    gives an editable install a fresh temporary folder, so a wheel built after it (CI builds both) compiled
+    everything again. ninja recompiles what changed, or was compiled with other flags."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", f"temp-{torch_tag()}-{sys.implementation.cache_tag}")
+
+
 major, minor = torch_release()
 if (major, minor) < (2, 4):
     sys.exit(f"nitrobrew needs torch >= 2.4, found {torch.__version__}")
@@ -83,5 +93,5 @@ setup(
     version=f"{BASE_VERSION}+{torch_tag()}",
     install_requires=[f"torch=={major}.{minor}.*"],
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": SharedBuildTemp},
 )

@@ -13,7 +13,7 @@ over a vocabulary split across the group's ranks:
     those of the rank's shard.
 
 What is exchanged is per-row statistics, never weights or logits (docs/distributed.md): the forward
-all-gathers the shards' unfinished row states (8 floats per token; JSD a second time, 2 float64 per
+all-gathers the shards' unfinished row states (11 floats per token; JSD a second time, 2 float64 per
 token), the backward all-reduces the hidden states' gradient [N, D_s] (none for logits). The shards
 merge exactly as a single device's vocabulary splits do (the same C++ merge), so every rank finishes
 identical rows.
@@ -75,8 +75,10 @@ def _(zs, zt, labels, row_stats, *options):
 
 @torch.library.register_fake("nitrobrew::merge_shards")
 def _(partials, mixture, labels, *options):
+    from nitrobrew.fused_linear import NUM_ROW_STATS  # fused_linear imports this module
+
     rows = partials.shape[1]
-    return partials.new_empty((rows,)), partials.new_empty((rows, 7))
+    return partials.new_empty((rows,)), partials.new_empty((rows, NUM_ROW_STATS))
 
 
 @torch.library.register_fake("nitrobrew::topk_merge_shards")

@@ -192,7 +192,7 @@ def _fused_linear_loss(
         rows, row_stats = ops.fused_linear_fwd(xs_2d, xt_2d, ws, wt, flat_labels, bias_s, bias_t, *options,
                                                chunk_V or 0, return_entropy)
         loss = reduce_rows(rows, lead_shape, reduction, flat_labels, ignore_index)
-        entropy = row_stats[:, ENTROPY_COLUMN]
+        entropy = row_stats[:, ENTROPY_COLUMN].clone()  # not a view of what the backward saved
     return (loss, entropy.reshape(lead_shape)) if return_entropy else loss
 
 

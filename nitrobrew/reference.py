@@ -133,7 +133,8 @@ def student_entropy(
     bias_s = None if bias_s is None else bias_s[:vocab_size]
     zs = model_logits(xs, ws[:vocab_size], bias=bias_s, logit_scale=logit_scale_s, softcap=softcap_s)
     log_p = torch.log_softmax(zs / temperature, dim=-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
+    # -inf logits have probability 0 and add 0 (0 log 0 = 0), not 0 * -inf.
+    entropy = -torch.where(log_p > -math.inf, log_p.exp() * log_p, torch.zeros_like(log_p)).sum(-1)
     mask = torch.ones_like(entropy, dtype=torch.bool) if labels is None else labels != ignore_index
     return torch.where(mask, entropy, torch.zeros_like(entropy))
 

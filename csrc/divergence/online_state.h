@@ -90,13 +90,18 @@ NB_HOST_DEVICE void add_entry(EntropyState<T>& st, T x, T e) {
   st.c += e == T(0) ? T(0) : e * (x - st.m);
 }
 
+// A NaN maximum on either side leaves l and c NaN (raise_max's factor is NaN), so the row's entropy is NaN.
 template <typename T>
 NB_HOST_DEVICE void merge(EntropyState<T>& into, EntropyState<T> part) {
   if (part.m == kNegInf<T>) return;
-  if (into.m > part.m) {
-    raise_max(part, into.m);
-  } else if (part.m > into.m) {
+  if (into.m == kNegInf<T>) {  // empty: the part as it is (a NaN maximum included)
+    into = part;
+    return;
+  }
+  if (!(part.m <= into.m)) {  // a larger or NaN maximum of the part, or a NaN one here
     raise_max(into, part.m);
+  } else if (part.m < into.m) {
+    raise_max(part, into.m);
   }
   into.l += part.l;
   into.c += part.c;

@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
   return {loss, row_stats};
 }
 
-// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 8], or
+// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 11], or
 // with row_stats (the whole vocabulary's) JSD's mixture sums over this shard [N, 2] in float64.
 at::Tensor fused_linear_shard_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,

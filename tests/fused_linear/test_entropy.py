@@ -90,3 +90,19 @@ def test_entropy_rejects_bad_flag_and_shards():
         nitrobrew.forward_kl(xs, xt, ws, wt, return_entropy="yes")
     with pytest.raises(NotImplementedError, match="return_entropy=True is not supported over vocabulary shards"):
         nitrobrew.forward_kl(xs, xt, ws, wt, return_entropy=True, process_group=object())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_entropy_of_a_nan_row_is_nan(device, path):
+    # A NaN logit makes the row's loss NaN (docs/design.md §7), and its entropy too, not 0: a row's vocabulary in
+    # one tile (V = 300) and in several (V = 3000), the NaN from the hidden state (every logit) or a bias (one).
+    for v, chunk_V in ((300, None), (3000, 256)):
+        xs, xt, ws, wt, _ = make_problem(n=6, v=v, device=device)
+        xs[2, 0] = float("nan")
+        bias_s = torch.zeros(v, device=device)
+        bias_s[v // 2] = float("nan")
+        for kw in (dict(), dict(bias_s=bias_s)):
+            loss, entropy = _run("forward_kl", path, xs, xt, ws, wt, reduction="sum", chunk_V=chunk_V, **kw)[:2]
+            rows = [2] if not kw else list(range(6))
+            assert torch.isnan(loss) and torch.isnan(entropy[rows]).all()
+            assert torch.isfinite(entropy[[r for r in range(6) if r not in rows]]).all()

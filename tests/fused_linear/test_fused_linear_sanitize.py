@@ -17,6 +17,18 @@ from conftest import CUDA, DEV_BUILD
 pytestmark = [CUDA, pytest.mark.sanitize]
 
 
+def _problem(n, v, d_s, d_t, dtype):
+    """Random inputs on the GPU, the weights padded past v (3 and 5 rows), every fourth row masked."""
+    dev = "cuda"
+    xs = torch.randn(n, d_s, device=dev, dtype=dtype, requires_grad=True)
+    xt = torch.randn(n, d_t, device=dev, dtype=dtype)
+    ws = torch.randn(v + 3, d_s, device=dev, dtype=dtype, requires_grad=True)
+    wt = torch.randn(v + 5, d_t, device=dev, dtype=dtype)
+    labels = torch.randint(0, v, (n,), device=dev)
+    labels[::4] = -100
+    return xs, xt, ws, wt, labels
+
+
 # The recompute path (the vocabulary walk's passes and the chunked backward), then the training path
 # (cuBLAS products and the row kernels over slices of rows).
 PATHS = pytest.mark.parametrize("grad_in_forward", [False, True])
@@ -24,7 +36,6 @@ PATHS = pytest.mark.parametrize("grad_in_forward", [False, True])
 
 @PATHS
 def test_every_kernel_once(grad_in_forward):
-    dev = "cuda"
     cases = itertools.product(
         [torch.bfloat16, torch.float16, torch.float32],  # tensor-core and FMA paths
         # TMA/vectorized loads (several row blocks, tiles and K slabs; 400 rows: sm_90a blocks in
@@ -39,12 +50,7 @@ def test_every_kernel_once(grad_in_forward):
     for dtype, (n, v, d_s, d_t), beta, ce_weight in itertools.chain(cases, no_ce):
         if dtype == torch.float32 and n in (300, 400):
             continue  # the float32 kernels are the mma.sync ones, covered by the first shape
-        xs = torch.randn(n, d_s, device=dev, dtype=dtype, requires_grad=True)
-        xt = torch.randn(n, d_t, device=dev, dtype=dtype)
-        ws = torch.randn(v + 3, d_s, device=dev, dtype=dtype, requires_grad=True)
-        wt = torch.randn(v + 5, d_t, device=dev, dtype=dtype)
-        labels = torch.randint(0, v, (n,), device=dev)
-        labels[::4] = -100
+        xs, xt, ws, wt, labels = _problem(n, v, d_s, d_t, dtype)
         loss = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, ce_weight=ce_weight, softcap_s=20.0,
                              softcap_t=30.0, vocab_size=v, temperature=2.0, grad_in_forward=grad_in_forward,
                              grad_chunk_mib=1)
@@ -58,14 +64,8 @@ def test_every_kernel_once(grad_in_forward):
 def test_entropy_once(grad_in_forward):
     # return_entropy: the general fold of every tile (quad merges of the entropy state; sm_90a's and sm_80's KL
     # pass) and the training path's partials variant that folds it; both divergence directions.
-    dev = "cuda"
     for dtype, (n, v, d_s, d_t) in [(torch.bfloat16, (400, 1500, 330, 620)), (torch.float32, (70, 200, 24, 40))]:
-        xs = torch.randn(n, d_s, device=dev, dtype=dtype, requires_grad=True)
-        xt = torch.randn(n, d_t, device=dev, dtype=dtype)
-        ws = torch.randn(v + 3, d_s, device=dev, dtype=dtype, requires_grad=True)
-        wt = torch.randn(v + 5, d_t, device=dev, dtype=dtype)
-        labels = torch.randint(0, v, (n,), device=dev)
-        labels[::4] = -100
+        xs, xt, ws, wt, labels = _problem(n, v, d_s, d_t, dtype)
         for beta in (0.0, 1.0):
             loss, entropy = nitrobrew.jsd(xs, xt, ws, wt, beta=beta, labels=labels, vocab_size=v, temperature=2.0,
                                           grad_in_forward=grad_in_forward, grad_chunk_mib=1, return_entropy=True)
