@@ -75,11 +75,11 @@ TORCH_LIBRARY(nitrobrew, m) {
   // dtype: the inputs' (the biases' on CUDA, whose kernels compute as the single-device step does for it).
   // product_partials: the unfinished row states [S, N, 11] of S column parts (merge_shards merges them, with
   // the other shards', in order); with row_stats (merge_shards' over the whole vocabulary; JSD only) the
-  // mixture sums [S, N, 2] in float64.
+  // mixture sums [S, N, 2] in float64. With entropy, the partials carry the student's entropy states too.
   m.def(
       "product_partials(Tensor zs, Tensor zt, Tensor? labels, Tensor? bias_s, Tensor? bias_t, Tensor? row_stats, "
       "int ignore_index, str divergence, float beta, float temperature, float ce_weight, float? softcap_s, "
-      "float? softcap_t, float logit_scale_s, float logit_scale_t, ScalarType dtype) -> Tensor");
+      "float? softcap_t, float logit_scale_s, float logit_scale_t, ScalarType dtype, bool entropy=False) -> Tensor");
   // product_grads: G = dLoss/dz [N, V_shard] from the whole vocabulary's row_stats, times row_scale (a scalar
   // tensor: the reduction's weight) and logit_scale_s, in fused_linear_grad_chunk's dtype for `dtype` inputs
   // (the inputs' on CUDA, the accumulation dtype on the CPU); masked rows 0.
@@ -96,13 +96,14 @@ TORCH_LIBRARY(nitrobrew, m) {
   // local (a label outside [0, vocab_size) is another shard's: no column holds it, no error).
   // Without row_stats: pass 1's unfinished row states [N, 11] (PartialField in
   // divergence/row_partial.h; float32, float64 for float64 inputs), which merge_shards merges over
-  // the shards. With row_stats (merge_shards' output over the whole vocabulary; JSD only): the
-  // shard's JSD mixture sums [N, 2] in float64, KL(q||M) and KL(p||M).
+  // the shards; with entropy they carry the student's entropy states too (merge_shards finishes them
+  // into row_stats' entropy column). With row_stats (merge_shards' output over the whole vocabulary;
+  // JSD only): the shard's JSD mixture sums [N, 2] in float64, KL(q||M) and KL(p||M).
   m.def(
       "fused_linear_shard(Tensor xs, Tensor xt, Tensor ws, Tensor wt, Tensor? labels, Tensor? bias_s, "
       "Tensor? bias_t, Tensor? row_stats, int ignore_index, str divergence, float beta, float temperature, "
       "float ce_weight, float? softcap_s, float? softcap_t, float logit_scale_s, float logit_scale_t, "
-      "int vocab_size, int chunk_v) -> Tensor");
+      "int vocab_size, int chunk_v, bool entropy=False) -> Tensor");
   // Merges the R shards' row states (partials [R, N, 11], in shard order) and finishes the rows:
   // (loss [N], row_stats [N, 8]) as fused_linear_fwd / logits_fwd return them over the whole
   // vocabulary (vocab_size entries; labels global). JSD's loss also needs the shards' mixture sums

@@ -257,10 +257,8 @@ class FusedLinearForwardGrads(torch.autograd.Function):
         # over the group; else the whole vocabulary, one op per chunk.
         entropies = []
         if shards is not None:  # data parallelism: every rank's tokens, gathered
-            if entropy:
-                raise NotImplementedError("the student's entropy is not formed over vocabulary shards")
             xs, xt, labels = shards.gather_tokens(xs, xt, labels)
-            rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t)
+            rows = shards.rows(xs, xt, ws, wt, labels, bias_s, bias_t, entropies if entropy else None)
         else:
             def grad_chunk(b0, b1, row_scale, product_rows):
                 loss_b, grad_b, entropy_b = ops.fused_linear_grad_chunk(
@@ -275,7 +273,10 @@ class FusedLinearForwardGrads(torch.autograd.Function):
         with torch.autocast(xs.device.type, enabled=False):
             loss, saved = _forward_grads(xs, ws, labels, options[0], reduction, chunk_bytes, needs, rows)
         _save(ctx, xs, ws, saved, None if rows.owners is None else shards.shard.group)
-        row_entropy = torch.cat(entropies) if entropy else loss.new_empty((0,))
+        row_entropy = loss.new_empty((0,))
+        if entropy and entropies:
+            own = _owner_spans(xs.shape[0], rows.owners)[1]  # data parallelism: this rank's tokens'
+            row_entropy = torch.cat(entropies)[own[0]:own[1]]
         ctx.mark_non_differentiable(row_entropy)
         return loss, row_entropy
 

@@ -50,7 +50,9 @@ class TrainingShards:
             _checks.ids_in_range(labels, self.vocab_size, "labels", self.call.ignore_index)
         return xs, xt, labels
 
-    def rows(self, xs, xt, ws, wt, labels, bias_s, bias_t) -> _ChunkRows:
+    def rows(self, xs, xt, ws, wt, labels, bias_s, bias_t, entropies: list | None = None) -> _ChunkRows:
+        """The chunk loop's rows; with `entropies` (call.entropy) each step's student entropies appended to it,
+        in row order."""
         call, shard, real = self.call, self.shard, self.real
         local = distributed._local_labels(labels, shard, real, call.ignore_index)
         gdtype = _grad_dtype(xs)
@@ -63,17 +65,21 @@ class TrainingShards:
             loc = None if local is None else local[r0:r1]
             if real == 0:  # a shard wholly in the padding (or of no rows) holds nothing
                 part = distributed._empty_partials(xs[r0:r1]).unsqueeze(0)  # one part, as the op's
-                loss, _ = distributed._merged_rows(
+                loss, row_stats = distributed._merged_rows(
                     part, lambda _: xs.new_zeros((1, r1 - r0, 2), dtype=torch.float64), lab, call, self.vocab_size,
                     shard.group)
-                return loss, xs.new_empty((r1 - r0, 0), dtype=gdtype)
-            zs, zt = ops.products(xs[r0:r1], ws, real), ops.products(xt[r0:r1], wt, real)
-            shard_rows = (zs, zt, loc, biases[0], biases[1])
-            loss, row_stats = distributed._merged_rows(
-                ops.product_partials(*shard_rows, None, *self.options, xs.dtype),
-                lambda stats: ops.product_partials(*shard_rows, stats, *self.options, xs.dtype), lab, call,
-                self.vocab_size, shard.group)
-            return loss, ops.product_grads(*shard_rows, row_stats, row_scale, *self.options, xs.dtype)
+                grad = xs.new_empty((r1 - r0, 0), dtype=gdtype)
+            else:
+                zs, zt = ops.products(xs[r0:r1], ws, real), ops.products(xt[r0:r1], wt, real)
+                shard_rows = (zs, zt, loc, biases[0], biases[1])
+                loss, row_stats = distributed._merged_rows(
+                    ops.product_partials(*shard_rows, None, *self.options, xs.dtype, call.entropy),
+                    lambda stats: ops.product_partials(*shard_rows, stats, *self.options, xs.dtype), lab, call,
+                    self.vocab_size, shard.group)
+                grad = ops.product_grads(*shard_rows, row_stats, row_scale, *self.options, xs.dtype)
+            if entropies is not None:
+                entropies.append(distributed.entropy_of(row_stats))
+            return loss, grad
 
         def grad_chunk(b0, b1, row_scale, product_rows):
             loss = xs.new_empty((b1 - b0,), dtype=stats_dtype(xs.dtype))
@@ -164,11 +170,11 @@ def runs_on(device_type: str) -> bool:
 
 
 def loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels, bias_s, bias_t, options: tuple, reduction: str,
-         chunk_bytes: int, shards: TrainingShards) -> Tensor:
-    """The reduced loss on the training path over shards, its gradients formed in the forward."""
+         chunk_bytes: int, shards: TrainingShards) -> tuple[Tensor, Tensor]:
+    """The reduced loss on the training path over shards, its gradients formed in the forward, and with
+    shards.call.entropy this rank's tokens' student entropies (else an empty tensor)."""
     from nitrobrew._forward_grads import FusedLinearForwardGrads
 
     needs = (shards.needs_dxs, ws.requires_grad, bias_s is not None and bias_s.requires_grad)
-    loss, _ = FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
-                                            needs, shards)
-    return loss
+    return FusedLinearForwardGrads.apply(xs, xt, ws, wt, labels, bias_s, bias_t, options, reduction, chunk_bytes,
+                                         needs, shards, shards.call.entropy)

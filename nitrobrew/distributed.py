@@ -173,6 +173,7 @@ class FusedLinearCall:
     ignore_index: int = -100
     vocab_size: int | None = None
     chunk_v: int = 0
+    entropy: bool = False  # also each row's student entropy (the fused-linear losses' return_entropy)
 
     def uses_mixture(self) -> bool:
         return self.divergence == "jsd" and 0.0 < self.beta < 1.0
@@ -204,6 +205,13 @@ def _merged_rows(part: Tensor, mixture_of, labels, call: FusedLinearCall, vocab_
     return loss, row_stats
 
 
+def entropy_of(row_stats: Tensor) -> Tensor:
+    """Each row's student entropy from merge_shards' row statistics (a copy: the backward reads them)."""
+    from nitrobrew.fused_linear import ENTROPY_COLUMN  # fused_linear imports this module
+
+    return row_stats[:, ENTROPY_COLUMN].clone()
+
+
 def _all_gather_parts(part: Tensor, group) -> Tensor:
     """[N, F] (one part) or [S, N, F] (S column parts, in order, alike on every rank) of each rank, as
     [R * S, N, F] in rank order: what merge_shards merges."""
@@ -224,6 +232,8 @@ class _ShardLoss:
     shard_grads: tuple = ()
     # Data parallelism: whether any rank needs the summed gradients (each rank then forms its terms).
     summed_anywhere: bool = False
+    # Set by forward where the loss forms it: each token's student entropy [N] over the whole vocabulary.
+    row_entropy: Tensor | None = None
 
     def forward(self, inputs: tuple) -> tuple[Tensor, tuple]:
         """(the loss [N] of every token, the tensors backward needs). Checks that depend on the inputs'
@@ -243,7 +253,8 @@ class _VocabParallel(torch.autograd.Function):
     tokens (data parallelism; tokens_per_rank: every rank's count): they are all-gathered, each rank
     gets its own tokens' losses and gradient back (a reduce-scatter), and the shard's weight gradients
     are the ranks' average, as FSDP2 reduce-scatters them. Every rank must run the forward and the
-    backward: both hold collectives."""
+    backward: both hold collectives. Returns (loss, the student's entropy per token where the shard loss
+    formed it, else an empty tensor; no gradient)."""
 
     @staticmethod
     def forward(ctx, shard_loss: _ShardLoss, group, tokens_per_rank, *inputs):
@@ -251,16 +262,20 @@ class _VocabParallel(torch.autograd.Function):
             inputs = tuple(_gather_tokens(t, tokens_per_rank, group) if i in shard_loss.token_inputs and t is not None
                            else t for i, t in enumerate(inputs))
         loss, saved = shard_loss.forward(inputs)
+        entropy = shard_loss.row_entropy if shard_loss.row_entropy is not None else loss.new_empty((0,))
+        shard_loss.row_entropy = None  # the ctx keeps shard_loss until the backward: not this tensor
         save_tensors(ctx, saved)
         ctx.shard_loss, ctx.group, ctx.tokens_per_rank = shard_loss, group, tokens_per_rank
         if tokens_per_rank is not None:
             rank = _dist().get_rank(group)
             begin = sum(tokens_per_rank[:rank])
             loss = loss[begin: begin + tokens_per_rank[rank]]
-        return loss
+            entropy = entropy[begin: begin + tokens_per_rank[rank]] if entropy.numel() else entropy
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_entropy):
         shard_loss, group, tokens_per_rank = ctx.shard_loss, ctx.group, ctx.tokens_per_rank
         if tokens_per_rank is not None:  # every rank's tokens' upstream gradients
             grad_loss = _gather_tokens(grad_loss, tokens_per_rank, group)
@@ -344,10 +359,13 @@ class _FusedLinearShard(_ShardLoss):
         def shard_forward(row_stats):
             if real == 0:  # a shard wholly in the padding (or of no rows) holds nothing
                 return _empty_partials(xs) if row_stats is None else xs.new_zeros((xs.shape[0], 2), dtype=torch.float64)
-            return ops.fused_linear_shard(xs, xt, ws, wt, local, bias_s, bias_t, row_stats, *call.op_options(real))
+            return ops.fused_linear_shard(xs, xt, ws, wt, local, bias_s, bias_t, row_stats, *call.op_options(real),
+                                          call.entropy)
 
         loss, row_stats = _merged_rows(shard_forward(None), shard_forward, labels, call, self.vocab_size,
                                        self.shard.group)
+        if call.entropy:
+            self.row_entropy = entropy_of(row_stats)
         return loss, (xs, xt, ws, wt, bias_s, bias_t, local, row_stats)
 
     def backward(self, saved, grad_loss, needs):
@@ -489,7 +507,7 @@ def fused_linear_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Te
     (fused_linear.py has validated the rest). tokens_sharded: xs holds this rank's tokens alone.
     teacher_whole: wt (and bias_t) is the teacher's whole lm_head, of which this rank takes ws's rows."""
     shard, wt, bias_t = fused_linear_layout(ws, wt, bias_t, call, group, teacher_whole, xs.device)
-    return fused_linear_shard_loss(xs, xt, ws, wt, labels, bias_s, bias_t, call, shard, tokens_sharded)
+    return fused_linear_shard_loss(xs, xt, ws, wt, labels, bias_s, bias_t, call, shard, tokens_sharded)[0]
 
 
 def fused_linear_layout(ws: Tensor, wt: Tensor, bias_t: Tensor | None, call: FusedLinearCall, group,
@@ -511,8 +529,9 @@ def fused_linear_layout(ws: Tensor, wt: Tensor, bias_t: Tensor | None, call: Fus
 
 def fused_linear_shard_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None,
                             bias_s: Tensor | None, bias_t: Tensor | None, call: FusedLinearCall, shard: _Shard,
-                            tokens_sharded: bool = False) -> Tensor:
-    """fused_linear_loss on a layout fused_linear_layout gave: the recompute path's per-token losses [N]."""
+                            tokens_sharded: bool = False) -> tuple[Tensor, Tensor]:
+    """fused_linear_loss on a layout fused_linear_layout gave: the recompute path's per-token losses [N], and
+    with call.entropy each token's student entropy [N] (else an empty tensor)."""
     shard_loss = _FusedLinearShard(call, shard)
     tokens_per_rank = None
     if tokens_sharded:
@@ -525,7 +544,7 @@ def fused_linear_shard_loss(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labe
 def logits_loss(zs: Tensor, zt: Tensor, labels: Tensor | None, call: FusedLinearCall, group) -> Tensor:
     """Per-row losses [N] of the logits' vocabulary shards zs, zt: [N, V_shard] (logits.py has validated them)."""
     shard = _shard_layout(zs.shape[1], zt.shape[1], zs.device, group)
-    return _VocabParallel.apply(_LogitsShard(call, shard), group, None, zs, zt, labels)
+    return _VocabParallel.apply(_LogitsShard(call, shard), group, None, zs, zt, labels)[0]
 
 
 @torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
@@ -539,7 +558,7 @@ def topk_loss(xs: Tensor, ws: Tensor, bias_s: Tensor | None, teacher_ids: Tensor
     if tokens_sharded:
         tokens_per_rank, shard_loss.summed_anywhere = token_layout(xs, group)
     return _VocabParallel.apply(shard_loss, group, tokens_per_rank,
-                                xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)
+                                xs, ws, bias_s, teacher_ids, teacher_logprobs, labels)[0]
 
 
 @torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
@@ -547,7 +566,8 @@ def topk_logits_loss(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, 
                      call: TopKCall, group) -> Tensor:
     """Per-row top-K losses [N] of the logits' vocabulary shard zs: [N, V_shard] (teacher ids global)."""
     shard = _shard_layout(zs.shape[1], zs.shape[1], zs.device, group)
-    return _VocabParallel.apply(_TopKLogitsShard(call, shard), group, None, zs, teacher_ids, teacher_logprobs, labels)
+    return _VocabParallel.apply(_TopKLogitsShard(call, shard), group, None, zs, teacher_ids, teacher_logprobs,
+                                labels)[0]
 
 
 def _replicate_class():

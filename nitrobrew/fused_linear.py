@@ -166,16 +166,12 @@ def _fused_linear_loss(
     train = _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:  # a vocabulary shard per rank: vocab_size is the whole vocabulary's
-        if return_entropy:
-            raise NotImplementedError(
-                "return_entropy=True is not supported over vocabulary shards (process_group= or DTensor weights) "
-                "yet: call without it, or pass the whole lm_head weights (DTensor.full_tensor()) to get the entropy")
         call = distributed.FusedLinearCall(
             divergence, beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t, ignore_index,
-            _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0)
-        return _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, process_group, tokens_sharded,
-                             teacher_whole, reduction, train, grad_in_forward,
-                             chunk_bytes)
+            _checks.optional_positive_int(vocab_size, "vocab_size"), chunk_V or 0, return_entropy)
+        loss, entropy = _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, process_group,
+                                      tokens_sharded, teacher_whole, reduction, train, grad_in_forward, chunk_bytes)
+        return (loss, entropy.reshape(lead_shape)) if return_entropy else loss
     vocab_size = _resolve_vocab_size(ws, wt, vocab_size)
     if ce_weight > 0:  # the cross-entropy reads the student's logit at each label
         _checks.ids_in_range(labels, vocab_size, "labels", ignore_index)
@@ -199,8 +195,8 @@ def _fused_linear_loss(
 @torch.compiler.disable  # collectives and host reads of the layout: run eagerly (a graph break)
 def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, tokens_sharded, teacher_whole, reduction,
                   train, grad_in_forward, chunk_bytes):
-    """The loss over vocabulary shards: the training path where it runs (_training_shards.py), else the
-    recompute path's (distributed.py)."""
+    """(loss, entropy) over vocabulary shards: the training path where it runs (_training_shards.py), else the
+    recompute path's (distributed.py); the entropy of this rank's tokens where call.entropy, else empty."""
     lead_shape = xs.shape[:-1]
     xs, xt = xs.reshape(-1, xs.shape[-1]), xt.reshape(-1, xt.shape[-1])
     # Checks the kernels would make, here on every rank alike: a rank whose shard holds no rows runs none
@@ -221,9 +217,9 @@ def _sharded_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, group, toke
         options = call.op_options(shards.real)[:-1]
         return _training_shards.loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, options, reduction, chunk_bytes,
                                      shards)
-    loss = distributed.fused_linear_shard_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, shard,
-                                               tokens_sharded)
-    return reduce_rows(loss, lead_shape, reduction, flat_labels, call.ignore_index)
+    loss, entropy = distributed.fused_linear_shard_loss(xs, xt, ws, wt, flat_labels, bias_s, bias_t, call, shard,
+                                                        tokens_sharded)
+    return reduce_rows(loss, lead_shape, reduction, flat_labels, call.ignore_index), entropy
 
 
 _ARGUMENTS = """From hidden states and unembeddings: the student's logits are
@@ -265,7 +261,8 @@ Args:
     return_entropy: also return the student's entropy per token, -sum_v p_v log p_v of its
         temperature-scaled distribution (what TRL's DistillationTrainer logs), formed in the same pass:
         (loss, entropy) with entropy of xs's leading shape, in the loss's dtype, masked tokens 0, no
-        gradient. It costs an exponential per student logit. Not over vocabulary shards.
+        gradient. It costs an exponential per student logit. Over vocabulary shards each rank gets
+        its own tokens' entropy (every token where xs is the same on every rank).
     process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
         a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
         on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's

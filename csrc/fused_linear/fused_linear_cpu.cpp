@@ -120,10 +120,12 @@ at::Tensor fused_linear_shard_cpu(
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const c10::optional<at::Tensor>& bias_t, const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
     c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
-    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
-                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                                   logit_scale_t, vocab_size, chunk_v);
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v,
+    bool entropy) {
+  DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
+                                             temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
+                                             vocab_size, chunk_v);
+  p.entropy = entropy && !row_stats.has_value();  // the partials' pass only, not JSD's mixture pass
   check_cpu(xs, "xs");
   if (row_stats.has_value()) check_shard_row_stats(*row_stats, p);
   at::Tensor out;

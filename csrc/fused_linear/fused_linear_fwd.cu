@@ -85,17 +85,20 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
   return {loss, row_stats};
 }
 
-// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 11], or
-// with row_stats (the whole vocabulary's) JSD's mixture sums over this shard [N, 2] in float64.
+// A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 11] (with
+// entropy, the student's entropy states too), or with row_stats (the whole vocabulary's) JSD's mixture
+// sums over this shard [N, 2] in float64.
 at::Tensor fused_linear_shard_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
     const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const c10::optional<at::Tensor>& bias_t, const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
     c10::string_view divergence, double beta, double temperature, double ce_weight, c10::optional<double> softcap_s,
-    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v) {
-  const DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence,
-                                                   beta, temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                                   logit_scale_t, vocab_size, chunk_v);
+    c10::optional<double> softcap_t, double logit_scale_s, double logit_scale_t, int64_t vocab_size, int64_t chunk_v,
+    bool entropy) {
+  DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
+                                             temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
+                                             vocab_size, chunk_v);
+  p.entropy = entropy && !row_stats.has_value();  // the partials' pass only, not JSD's mixture pass
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   if (row_stats.has_value()) {
     TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&

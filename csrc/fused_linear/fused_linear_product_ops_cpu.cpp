@@ -43,10 +43,10 @@ at::Tensor product_partials_cpu(const at::Tensor& zs, const at::Tensor& zt, cons
                                 const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
                                 c10::string_view divergence, double beta, double temperature, double ce_weight,
                                 c10::optional<double> softcap_s, c10::optional<double> softcap_t, double logit_scale_s,
-                                double logit_scale_t, at::ScalarType dtype) {
-  const DistillParams p = make_product_params(zs, zt, labels, bias_s, bias_t, ignore_index, divergence, beta,
-                                              temperature, ce_weight, softcap_s, softcap_t, logit_scale_s,
-                                              logit_scale_t);
+                                double logit_scale_t, at::ScalarType dtype, bool entropy) {
+  DistillParams p = make_product_params(zs, zt, labels, bias_s, bias_t, ignore_index, divergence, beta, temperature,
+                                        ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t);
+  p.entropy = entropy && !row_stats.has_value();  // the partials' pass only, not JSD's mixture pass
   const ProductWalk w = product_walk(zs, labels, bias_s, bias_t, dtype, p);
   if (row_stats.has_value()) check_shard_row_stats(*row_stats, p);
   GivenTiles source{zs, zt, w.bias_s, w.bias_t};

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import nitrobrew
+from nitrobrew import reference
 from vocab_parallel_cases import _close, _device, _inputs
 
 
@@ -106,6 +107,8 @@ def data_parallel(rank: int, world: int) -> None:
             b_grad += b.grad / world if b.grad is not None else 0
             if r == rank:
                 expected_loss, expected_xs_grad = whole.detach(), x.grad
+                expected_entropy = reference.student_entropy(
+                    xs, ws, labels=labels, bias_s=bias_s if "bias_s" in options else None, dtype=None)
         xs, xt, _, _, _, _, labels, _ = tokens[rank]
         x = xs.clone().requires_grad_()
         w_d = distribute_tensor(ws.clone(), mesh, [Shard(0)]).requires_grad_()
@@ -113,9 +116,13 @@ def data_parallel(rank: int, world: int) -> None:
         if "bias_s" in options:
             sharded["bias_s"] = distribute_tensor(bias_s.clone(), mesh, [Shard(0)]).requires_grad_()
             sharded["bias_t"] = distribute_tensor(bias_t, mesh, [Shard(0)])
-        loss = fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, **sharded)
+        loss, entropy = fn(x, xt, w_d, distribute_tensor(wt, mesh, [Shard(0)]), labels=labels, return_entropy=True,
+                           **sharded)
         loss.backward()
         _close(loss.detach(), expected_loss, tol, f"{what}: loss")
+        # Each rank's own tokens' student entropy over the whole vocabulary (none on a rank without tokens).
+        assert entropy.shape == xs.shape[:1] and not entropy.requires_grad, f"{what}: entropy {entropy.shape}"
+        _close(entropy, expected_entropy, tol, f"{what}: entropy")
         _close(x.grad, expected_xs_grad, tol, f"{what}: xs.grad")
         _close(w_d.grad.full_tensor(), w_grad, tol, f"{what}: ws.grad")
         if "bias_s" in options:

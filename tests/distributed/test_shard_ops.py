@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from conftest import CUDA
-from nitrobrew.distributed import _EMPTY_PARTIAL, FusedLinearCall, _local_labels, _Shard
+from nitrobrew.distributed import _EMPTY_PARTIAL, NUM_PARTIAL_FIELDS, FusedLinearCall, _local_labels, _Shard
 
 ops = torch.ops.nitrobrew
 V, ROWS = 300, 310  # 10 padded rows
 BOUNDS = [0, 40, 41, 200, 290, ROWS]  # uneven shards; vocab_size falls inside the fourth, the last is padding
 
-CASES = [
+CASES = [  # entropy: the student's entropy states in the shards' partials, finished by the merge
     FusedLinearCall("forward_kl", 0.0, 1.0),
-    FusedLinearCall("reverse_kl", 1.0, 0.7, ce_weight=0.5, softcap_s=6.0),
-    FusedLinearCall("jsd", 0.3, 1.5, ce_weight=1.0, logit_scale_s=0.8, softcap_t=8.0),
+    FusedLinearCall("reverse_kl", 1.0, 0.7, ce_weight=0.5, softcap_s=6.0, entropy=True),
+    FusedLinearCall("jsd", 0.3, 1.5, ce_weight=1.0, logit_scale_s=0.8, softcap_t=8.0, entropy=True),
     FusedLinearCall("jsd", 0.6, 1.0),
 ]
+CASE_ID = lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}" + ("-entropy" if c.entropy else "")  # noqa: E731
 
 
 def _problem(device, dtype, n=70, d_s=40, d_t=56):
@@ -46,9 +47,9 @@ def _shards_fused_linear(call, xs, xt, ws, wt, bias_s, bias_t, labels, grad):
         locals_.append((real, args))
         if real == 0:
             dtype = torch.float64 if xs.dtype == torch.float64 else torch.float32
-            parts.append(torch.tensor(_EMPTY_PARTIAL, dtype=dtype, device=xs.device).expand(xs.shape[0], 8))
+            parts.append(torch.tensor(_EMPTY_PARTIAL, dtype=dtype, device=xs.device).expand(xs.shape[0], NUM_PARTIAL_FIELDS))
         else:
-            parts.append(ops.fused_linear_shard(*args, None, *call.op_options(real)))
+            parts.append(ops.fused_linear_shard(*args, None, *call.op_options(real), call.entropy))
     parts = torch.stack(parts)
     merge = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, V)
     loss, row_stats = ops.merge_shards(parts, None, *merge)
@@ -74,14 +75,16 @@ def _check(device, dtype, call):
     xs, xt, ws, wt, bias_s, bias_t, labels = _problem(device, dtype)
     grad = torch.rand(xs.shape[0], device=device)
     whole_options = call.op_options(V)
-    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options)
+    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options, call.entropy)
     grads = ops.fused_linear_bwd(grad, xs, xt, ws, wt, labels, bias_s, bias_t, row_stats, *whole_options,
                                  True, True, True)
     s_loss, s_stats, s_grads = _shards_fused_linear(call, xs, xt, ws, wt, bias_s, bias_t, labels, grad)
     exact = dtype == torch.float64
     rtol = 1e-12 if exact else 2e-5
     torch.testing.assert_close(s_loss, loss, rtol=rtol, atol=rtol * loss.abs().max().item())
+    # Every column, the student's entropy included where the call asks for it (else 0 on both sides).
     torch.testing.assert_close(s_stats, row_stats, rtol=rtol, atol=rtol * row_stats.abs().max().item())
+    assert (row_stats[:, -1] != 0).any() == call.entropy
     for name, a, b in zip(("dxs", "dws", "dbias_s"), s_grads, grads):
         # 16-bit gradients: each shard's dxs comes back rounded to the inputs' dtype before the sum.
         tol = rtol if exact or dtype == torch.float32 else 2 ** -7
@@ -89,7 +92,7 @@ def _check(device, dtype, call):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+@pytest.mark.parametrize("call", CASES, ids=CASE_ID)
 def test_fused_linear_shards_merge_to_the_whole_cpu(call):
     _check("cpu", torch.float64, call)
 
@@ -97,14 +100,14 @@ def test_fused_linear_shards_merge_to_the_whole_cpu(call):
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float64),
                                           pytest.param("cuda", torch.bfloat16, marks=CUDA),
                                           pytest.param("cuda", torch.float32, marks=CUDA)])
-@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+@pytest.mark.parametrize("call", CASES, ids=CASE_ID)
 def test_product_ops_merge_to_the_whole(call, device, dtype):
     # The training path's stages over shards: each shard's stored products (products), their row states
     # (product_partials) merged, JSD's mixture sums, then each shard's G (product_grads) times a row scale;
     # G . ws summed over the shards and G^T . xs per shard are the recompute path's gradients.
     xs, xt, ws, wt, bias_s, bias_t, labels = _problem(device, dtype)
     whole_options = call.op_options(V)
-    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options)
+    loss, row_stats = ops.fused_linear_fwd(xs, xt, ws, wt, labels, bias_s, bias_t, *whole_options, call.entropy)
     scale = torch.tensor(0.37, dtype=loss.dtype, device=device)
     dxs, dws, dbias = ops.fused_linear_bwd(scale.expand(xs.shape[0]).contiguous(), xs, xt, ws, wt, labels, bias_s,
                                            bias_t, row_stats, *whole_options, True, True, True)
@@ -117,7 +120,7 @@ def test_product_ops_merge_to_the_whole(call, device, dtype):
         rows = (ops.products(xs, ws[start:stop], real), ops.products(xt, wt[start:stop], real), local,
                 bias_s[start:stop], bias_t[start:stop])
         shards.append((start, real, rows))
-        parts.append(ops.product_partials(*rows, None, *call.op_options(real)[:-2], dtype))
+        parts.append(ops.product_partials(*rows, None, *call.op_options(real)[:-2], dtype, call.entropy))
     merge = (labels, call.ignore_index, call.divergence, call.beta, call.ce_weight, V)
     s_loss, s_stats = ops.merge_shards(torch.cat(parts), None, *merge)
     if call.uses_mixture():
@@ -166,7 +169,7 @@ def test_product_ops_reject_bad_inputs():
 
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("call", CASES, ids=lambda c: f"{c.divergence}-{c.beta}-ce{c.ce_weight}")
+@pytest.mark.parametrize("call", CASES, ids=CASE_ID)
 def test_fused_linear_shards_merge_to_the_whole_cuda(call, dtype):
     _check("cuda", dtype, call)
 

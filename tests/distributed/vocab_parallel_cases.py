@@ -61,14 +61,15 @@ def _shard_rows(rank: int, world: int) -> slice:
 
 
 def _run(loss_fn, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options, **extra):
-    """Loss and gradients (xs, ws[, bias_s]) of one call."""
+    """Loss and gradients (xs, ws[, bias_s]) of one call, and with return_entropy=True the entropy third."""
     leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
     if bias_s is not None:
         leaves.append(bias_s.clone().requires_grad_())
-    loss = loss_fn[divergence](leaves[0], xt, leaves[1], wt, bias_s=leaves[2] if bias_s is not None else None,
-                               bias_t=bias_t, labels=labels, **options, **extra)
+    out = loss_fn[divergence](leaves[0], xt, leaves[1], wt, bias_s=leaves[2] if bias_s is not None else None,
+                              bias_t=bias_t, labels=labels, **options, **extra)
+    loss, entropy = out if extra.get("return_entropy") else (out, None)
     grads = torch.autograd.grad(loss, leaves, upstream if loss.dim() else upstream.sum())
-    return loss.detach(), grads
+    return (loss.detach(), grads) if entropy is None else (loss.detach(), grads, entropy)
 
 
 def _close(actual, expected, rtol, what):
@@ -109,8 +110,8 @@ def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool |
     dtype, device = getattr(torch, dtype_name), _device()
     rtol, gtol = _tolerances(dtype)
     rows = _shard_rows(rank, world)
-    for divergence, options in FUSED_LINEAR_CASES:
-        options = dict(options)
+    for divergence, case in FUSED_LINEAR_CASES:
+        options = dict(case)
         training = grad_in_forward is not False and options.get("reduction") != "none"
         path = {"grad_in_forward": grad_in_forward} if training else {"grad_in_forward": False}
         xs, xt, ws, wt, bias_s, bias_t, labels, upstream = _inputs(dtype, device=device)
@@ -122,14 +123,19 @@ def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool |
             upstream = upstream[0]
         what = f"rank {rank}/{world} {dtype_name} {divergence} {options} bias={bias_s is not None}"
         try:
-            whole = _run(LOSSES, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options)
+            # The student's entropy asked for in every other case: the loss and gradients are the same either way.
+            entropy = {"return_entropy": True} if FUSED_LINEAR_CASES.index((divergence, case)) % 2 else {}
+            whole = _run(LOSSES, divergence, xs, xt, ws, wt, bias_s, bias_t, labels, upstream, options, **entropy)
             shard, ran = _ops_run(lambda: _run(
                 LOSSES, divergence, xs, xt, ws[rows], wt[rows], None if bias_s is None else bias_s[rows],
                 None if bias_t is None else bias_t[rows], labels, upstream, options, process_group=dist.group.WORLD,
-                **path))
+                **path, **entropy))
             # the training path's backward only scales what its forward formed
             assert ("nitrobrew::scaled" in ran) == training, f"{what}: the ops that ran: {sorted(ran)}"
             _close(shard[0], whole[0], rtol, f"{what}: loss")
+            if entropy:  # the whole vocabulary's (itself tested against float64 in tests/fused_linear)
+                assert shard[2].shape == xs.shape[:1] and not shard[2].requires_grad, what
+                _close(shard[2], whole[2], rtol, f"{what}: entropy")
             _close(shard[1][0], whole[1][0], gtol, f"{what}: xs.grad")
             _close(shard[1][1], whole[1][1][rows], gtol, f"{what}: ws.grad")
             if bias_s is not None:
@@ -145,6 +151,11 @@ def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool |
                                              **ref_options)
                 ref_grads = torch.autograd.grad(ref, leaves, upstream)
                 _close(shard[0], ref.detach(), 1e-10, f"{what}: loss vs reference")
+                if entropy:
+                    ent_options = {k: v for k, v in options.items() if k in ("temperature", "softcap_s", "vocab_size",
+                                                                             "logit_scale_s")}
+                    ref_entropy = reference.student_entropy(xs, ws, labels=labels, bias_s=bias_s, **ent_options)
+                    _close(shard[2], ref_entropy, 1e-10, f"{what}: entropy vs reference")
                 _close(shard[1][0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
                 _close(shard[1][1], ref_grads[1][rows], 1e-10, f"{what}: ws.grad vs reference")
                 if bias_s is not None:

@@ -42,6 +42,7 @@
 #                     NCCL's warnings and each rank's stacks printed if it outlasts NITROBREW_RANK_WATCHDOG_S
 #   memcheck_multi_gpu  the NCCL cases of the CUDA distributed tests under compute-sanitizer memcheck, every rank
 # Several runs at once (tests and sanitizers side by side on one GPU): tools/gpu/parallel.sh.
+# TEST_PATHS="tests/fused_linear tests/logits" limits test and test_sm80 to those paths (default: tests).
 # FAMILIES="fused_linear logits" limits sanitize to those test folders; SANITIZE_TOOLS="memcheck" and
 # SANITIZE_PATHS="default" (or "sm80") to those tools and kernel families; SANITIZE_K to the cases pytest -k picks.
 set -uo pipefail
@@ -92,9 +93,10 @@ for step in $steps; do
     # instead of reaching Python. NITROBREW_BUILD_CXX overrides.
     build) run build env CXX="${NITROBREW_BUILD_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}" \
              python3 -m pip install --no-build-isolation --no-deps -v -e . ;;
-    test) run test python3 -m pytest tests -q --maxfail=20 -k "cuda or soak" -p no:cacheprovider ;;
+    test) run test python3 -m pytest ${TEST_PATHS:-tests} -q --maxfail=20 -k "cuda or soak" -p no:cacheprovider ;;
     # The sm_80 (mma.sync) kernels, forced on this GPU (the *_cuda.py files cover both themselves).
-    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest tests -q --maxfail=20 -k "cuda and not fused_linear_cuda" \
+    test_sm80) run test_sm80 env NITROBREW_FORCE_SM80=1 python3 -m pytest ${TEST_PATHS:-tests} -q --maxfail=20 \
+                 -k "cuda and not fused_linear_cuda" \
                  -p no:cacheprovider ;;
     sanitize)
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
