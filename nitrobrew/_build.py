@@ -2,7 +2,8 @@
 a build can run under.
 
 Build knobs (environment variables):
-  NITROBREW_CUDA_ARCHS  CUDA architectures, ';'- or ','-separated (default "8.0;9.0a")
+  NITROBREW_CUDA_ARCHS  CUDA architectures, ';'- or ','-separated (default "8.0;9.0a", and "10.0" where the
+                        CUDA toolkit has Blackwell, 12.8 or later)
   NITROBREW_NO_CUDA=1   build the CPU-only extension even where CUDA is available
   DEBUG=1               -O0 -g host code, -G -lineinfo device code
   NITROBREW_DEV_KNOBS=1 a development build: compiles in the measuring and testing switches that
@@ -14,8 +15,35 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import subprocess
 
+# Ampere's mma.sync kernels (their sm_80 binary runs on every sm_8x GPU) and Hopper's wgmma/TMA ones.
 DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+# Blackwell (sm_100: B200, GB200; its binary runs on every sm_10x GPU) runs the mma.sync kernels, built where
+# the toolkit knows it. (Consumer Blackwell, sm_120, is another major version: NITROBREW_CUDA_ARCHS="12.0".)
+BLACKWELL_ARCH, BLACKWELL_MIN_NVCC = "10.0", (12, 8)
+
+
+def nvcc_release(nvcc: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA toolkit's nvcc (torch's CUDA_HOME, else the PATH's), or None without one."""
+    if nvcc is None:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def default_cuda_archs(release: tuple[int, int] | None) -> str:
+    """The architectures built unless NITROBREW_CUDA_ARCHS says otherwise, for a toolkit of that release."""
+    if release is not None and release >= BLACKWELL_MIN_NVCC:
+        return f"{DEFAULT_CUDA_ARCHS};{BLACKWELL_ARCH}"
+    return DEFAULT_CUDA_ARCHS
 
 
 def source_root() -> str:
@@ -49,7 +77,8 @@ def cuda_wanted() -> bool:
 
 def gencode_flags(archs: str | None = None) -> list[str]:
     """'8.0;9.0a' -> ['-gencode=arch=compute_80,code=sm_80', '-gencode=arch=compute_90a,code=sm_90a']."""
-    archs = archs if archs is not None else os.environ.get("NITROBREW_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+    if archs is None:
+        archs = os.environ.get("NITROBREW_CUDA_ARCHS") or default_cuda_archs(nvcc_release())
     flags = []
     for arch in archs.replace(",", ";").split(";"):
         arch = arch.strip()

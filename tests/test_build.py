@@ -22,6 +22,23 @@ def test_architectures_become_gencode_flags():
     ]
 
 
+@pytest.mark.parametrize("release,archs", [((13, 0), "8.0;9.0a;10.0"), ((12, 8), "8.0;9.0a;10.0"),
+                                           ((12, 6), "8.0;9.0a"), ((11, 8), "8.0;9.0a"), (None, "8.0;9.0a")])
+def test_blackwell_is_built_where_the_toolkit_has_it(release, archs):
+    build = _build_module()
+    assert build.default_cuda_archs(release) == archs
+    assert build.gencode_flags("10.0") == ["-gencode=arch=compute_100,code=sm_100"]
+
+
+def test_the_toolkit_release_is_read_from_nvcc(tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    nvcc.chmod(0o755)
+    build = _build_module()
+    assert build.nvcc_release(str(nvcc)) == (12, 8)
+    assert build.nvcc_release(str(tmp_path / "missing")) is None
+
+
 @pytest.mark.parametrize("archs,match", [("9.0", "9.0a, not 9.0"), ("8.0;90", "9.0a, not 9.0"), (" ; ", "no architecture")])
 def test_bad_architecture_lists_are_refused(archs, match):
     with pytest.raises(ValueError, match=match):

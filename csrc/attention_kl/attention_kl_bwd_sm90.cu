@@ -56,8 +56,10 @@ constexpr int kDsSlabBytes = kRows * kK * 2;
 constexpr int kDsBytes = 2 * kDsSlabBytes;
 constexpr int kDqStageBytes = kCols * kMaxSlabs * kK * 4;  // both warpgroups' dq slices, float32
 constexpr int kQueryDataBytes = 2 * kCols * 16;            // two tiles' QueryGrad
-constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreadCount = 384;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
+// [[maybe_unused]]: read only in the kernel body, which the passes for other architectures compile out.
+[[maybe_unused]] constexpr int kProducerThreads = 128;
+constexpr int kConsumerThreads = 256, kThreadCount = 384;
+[[maybe_unused]] constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kSmemBytes = 1024 + 2 * kRowBytes + kStages * kStageBytes + 2 * kDsBytes + kDqStageBytes +
                            kQueryDataBytes + (2 * kStages + 3) * 8;
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a block may have");
@@ -121,7 +123,7 @@ struct FusedBlock {
 
 // 4 floats from shared memory (the pointer arithmetic above loses the address space, and a
 // generic load costs more).
-__device__ __forceinline__ float4 ld_shared_f4(const void* p) {
+[[maybe_unused]] __device__ __forceinline__ float4 ld_shared_f4(const void* p) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)

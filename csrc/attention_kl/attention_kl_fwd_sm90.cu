@@ -68,9 +68,9 @@ using Scores = TileAcc<kCols / 8>;  // a consumer thread's share of a 64 x 96 sc
 // first kTimelineTiles), kStamps each: per consumer warpgroup (warp 0, lane 0) before and after
 // the stage's wait, after its turn, after issuing, after the products, after the fold; then the
 // producer after each wait for a free stage. Where the tile step's time goes, in cycles.
-constexpr int kTimelineTiles = 64;
+[[maybe_unused]] constexpr int kTimelineTiles = 64;  // the kernel body's (sm_90a) and the timeline knob's
 enum Stamp { kWaitFull, kGotFull, kGotTurn, kIssued, kProductsDone, kFolded, kConsumerStamps };
-constexpr int kStamps = kConsumers * kConsumerStamps + 1;
+[[maybe_unused]] constexpr int kStamps = kConsumers * kConsumerStamps + 1;
 
 template <bool kTimeline>
 __device__ __forceinline__ void stamp(int64_t* timeline, int tile, int slot) {
@@ -86,10 +86,10 @@ __device__ __forceinline__ void stamp(int64_t* timeline, int tile, int slot) {
 // Named barriers 1 .. kConsumers: consumer warpgroup c waits on 1 + c before issuing its products
 // and then lets the next one (c + 1, cyclically) go; each completes when the two warpgroups (256
 // threads) reached it.
-__device__ __forceinline__ void turn_wait(int consumer) {
+[[maybe_unused]] __device__ __forceinline__ void turn_wait(int consumer) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
 }
-__device__ __forceinline__ void turn_pass(int consumer) {
+[[maybe_unused]] __device__ __forceinline__ void turn_pass(int consumer) {
   asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % kConsumers) : "memory");
 }
 
