@@ -276,7 +276,7 @@ class FusedLinearForwardGrads(torch.autograd.Function):
         row_entropy = loss.new_empty((0,))
         if entropy and entropies:
             own = _owner_spans(xs.shape[0], rows.owners)[1]  # data parallelism: this rank's tokens'
-            row_entropy = torch.cat(entropies)[own[0]:own[1]]
+            row_entropy = torch.cat(entropies)[own[0]:own[1]].clone()  # not a view of every rank's tokens
         ctx.mark_non_differentiable(row_entropy)
         return loss, row_entropy
 

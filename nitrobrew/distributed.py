@@ -127,13 +127,21 @@ class _Shard:
     max_rows: int  # the largest shard's rows: what every rank plans its chunks for, alike
 
 
-def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group) -> _Shard:
-    """Where each rank's shard starts: one all-gather of the ranks' row counts."""
+def _shard_layout(rows_s: int, rows_t: int, device: torch.device, group, entropy: bool = False) -> _Shard:
+    """Where each rank's shard starts: one all-gather of the ranks' row counts (and of whether each asks for the
+    student's entropy, which every rank's shard must form for any rank to get it)."""
     dist = _dist()
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. torch.distributed.group.WORLD "
                         f"or one from new_group), got {type(group).__name__}")
-    counts = _all_gather(torch.tensor([rows_s, rows_t], dtype=torch.int64, device=device), group).tolist()
+    layout = _all_gather(torch.tensor([rows_s, rows_t, int(entropy)], dtype=torch.int64, device=device), group)
+    counts, asks = layout[:, :2].tolist(), layout[:, 2].tolist()
+    if len(set(asks)) > 1:
+        raise ValueError(
+            f"return_entropy must be the same on every rank of the group: each rank's vocabulary shard adds its "
+            f"part of every token's entropy, so a rank that does not ask leaves the others' wrong (ranks "
+            f"{[r for r, a in enumerate(asks) if a]} asked, the others did not). Pass return_entropy=True on every "
+            f"rank and use it where you need it")
     mismatched = [r for r, (s, t) in enumerate(counts) if s != t]
     if mismatched:
         raise ValueError(
@@ -270,7 +278,7 @@ class _VocabParallel(torch.autograd.Function):
             rank = _dist().get_rank(group)
             begin = sum(tokens_per_rank[:rank])
             loss = loss[begin: begin + tokens_per_rank[rank]]
-            entropy = entropy[begin: begin + tokens_per_rank[rank]] if entropy.numel() else entropy
+            entropy = entropy[begin: begin + tokens_per_rank[rank]].clone() if entropy.numel() else entropy
         ctx.mark_non_differentiable(entropy)
         return loss, entropy
 
@@ -514,7 +522,7 @@ def fused_linear_layout(ws: Tensor, wt: Tensor, bias_t: Tensor | None, call: Fus
                         teacher_whole: bool, device) -> tuple:
     """(this rank's _Shard, its wt and bias_t rows): one all-gather of the ranks' row counts.
     teacher_whole: wt (and bias_t) is the teacher's whole lm_head, of which this rank takes ws's rows."""
-    shard = _shard_layout(ws.shape[0], ws.shape[0] if teacher_whole else wt.shape[0], device, group)
+    shard = _shard_layout(ws.shape[0], ws.shape[0] if teacher_whole else wt.shape[0], device, group, call.entropy)
     if teacher_whole:
         if wt.shape[0] < shard.total:
             raise ValueError(f"wt, the teacher's whole lm_head, has {wt.shape[0]} rows, fewer than the student's "

@@ -261,8 +261,9 @@ Args:
     return_entropy: also return the student's entropy per token, -sum_v p_v log p_v of its
         temperature-scaled distribution (what TRL's DistillationTrainer logs), formed in the same pass:
         (loss, entropy) with entropy of xs's leading shape, in the loss's dtype, masked tokens 0, no
-        gradient. It costs an exponential per student logit. Over vocabulary shards each rank gets
-        its own tokens' entropy (every token where xs is the same on every rank).
+        gradient. It costs an exponential per student logit. Over vocabulary shards every rank must
+        pass the same value (checked), and each gets its own tokens' entropy (every token where xs is the
+        same on every rank).
     process_group: a torch.distributed group over which the vocabulary is sharded: each rank holds
         a contiguous shard of ws, wt (and the biases), in rank order; xs, xt and labels are the same
         on every rank; vocab_size is the whole vocabulary's. Every rank gets the whole vocabulary's

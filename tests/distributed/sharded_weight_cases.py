@@ -47,11 +47,14 @@ def tensor_parallel(rank: int, world: int) -> None:
         if b is not None:
             sharded_options["bias_s"] = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_()
             sharded_options["bias_t"] = distribute_tensor(options["bias_t"].clone(), mesh, [Shard(0)])
-        loss = fn(x_d, distribute_tensor(xt, mesh, [Replicate()]), w_d, distribute_tensor(wt, mesh, [Shard(0)]),
-                  **sharded_options)
+        loss, entropy = fn(x_d, distribute_tensor(xt, mesh, [Replicate()]), w_d,
+                           distribute_tensor(wt, mesh, [Shard(0)]), return_entropy=True, **sharded_options)
         loss.backward()
         what = f"rank {rank}/{world} {device} tensor parallel {divergence} grad_in_forward={path}"
         _close(loss.detach(), whole.detach(), tol, f"{what}: loss")
+        # Every token's student entropy on every rank, over the whole vocabulary.
+        _close(entropy, reference.student_entropy(xs, ws, labels=options.get("labels"), bias_s=b, dtype=None), tol,
+               f"{what}: entropy")
         _close(x_d.grad.to_local(), x.grad, tol, f"{what}: xs.grad")
         _close(w_d.grad.full_tensor(), w.grad, tol, f"{what}: ws.grad")
         if b is not None:

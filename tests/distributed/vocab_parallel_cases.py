@@ -369,6 +369,11 @@ def errors(rank: int, world: int) -> None:
                                                        xs.clone().requires_grad_(), xt, ws[rows], wt[rows],
                                                        labels=labels + V, ce_weight=1.0, process_group=group,
                                                        grad_in_forward=True)),
+        # A rank that does not ask would leave the others' entropy that of their own shards.
+        "return_entropy on some ranks only": (ValueError, "return_entropy must be the same on every rank",
+                                              lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows],
+                                                                           return_entropy=rank == 0,
+                                                                           process_group=group)),
         "a process_group that is no group": (TypeError, "process_group must be",
                                              lambda: nitrobrew.forward_kl(xs, xt, ws[rows], wt[rows],
                                                                           process_group="world")),

@@ -85,7 +85,8 @@ def test_entropy_16bit_cuda(dtype, path):
 
 
 def test_entropy_rejects_a_bad_flag():
-    # Over vocabulary shards: tests/distributed (every case of vocab_parallel_cases.py and the FSDP2 layout).
+    # Over vocabulary shards: tests/distributed (every other case of vocab_parallel_cases.py, the tensor-parallel
+    # and FSDP2 layouts; ranks that disagree on the flag raise: vocab_parallel_cases.errors).
     xs, xt, ws, wt, _ = make_problem(n=4, v=50)
     with pytest.raises(TypeError, match="return_entropy"):
         nitrobrew.forward_kl(xs, xt, ws, wt, return_entropy="yes")
