@@ -32,7 +32,15 @@ from harness import (
 )
 from nitrobrew import reference
 
-BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # each loss as a beta of the reference
+# Each loss's weight: JSD's beta, the skew KLs' alpha (the reference takes it as `beta`).
+WEIGHTS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5, "skew_forward_kl": 0.1, "skew_reverse_kl": 0.1, "tvd": 0.0}
+
+
+def weight_of(loss):
+    """The public function's weight keyword for a loss: {"beta": ...}, {"alpha": ...} or {}."""
+    if loss == "jsd":
+        return {"beta": WEIGHTS[loss]}
+    return {"alpha": WEIGHTS[loss]} if loss.startswith("skew_") else {}
 DEFAULT_SHAPES = {
     "cpu": (512, 32000, 1024, 1536),
     "cuda": (8192, 152064, 3584, 5120),  # the Qwen-7B -> 14B reference problem (docs/performance.md)
@@ -56,7 +64,7 @@ def method(name):
 
 @method("nitrobrew")
 def _nitrobrew(xs, xt, ws, wt, *, loss, reduction):
-    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    extra = weight_of(loss)
     return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra)
 
 
@@ -79,7 +87,7 @@ def _model_options(ws, wt, *, bias, scale):
 
 
 def _nitrobrew_path(xs, xt, ws, wt, *, loss, reduction, grad_in_forward, return_entropy=False):
-    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    extra = weight_of(loss)
     if reduction == "none":  # the forward mode: both paths share the plain forward
         grad_in_forward = None
     out = getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, grad_in_forward=grad_in_forward,
@@ -140,7 +148,7 @@ class _Composition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, loss_name):
         fn = getattr(nitrobrew.logits, loss_name)
-        extra = {"beta": BETAS["jsd"]} if loss_name == "jsd" else {}
+        extra = weight_of(loss_name)
         dxs, dws = torch.empty_like(xs), torch.zeros_like(ws)
         total = torch.zeros((), device=xs.device)
         for c0 in range(0, xs.shape[0], _Composition.chunk):
@@ -170,7 +178,7 @@ class _Composition(torch.autograd.Function):
 def _composition(xs, xt, ws, wt, *, loss, reduction):
     if reduction == "none":  # the forward mode: the recipe is a training step; its forward is nitrobrew.logits'
         with torch.no_grad():
-            extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+            extra = weight_of(loss)
             rows = [getattr(nitrobrew.logits, loss)(x @ ws.T, y @ wt.T, reduction="none", **extra)
                     for x, y in zip(xs.split(_Composition.chunk), xt.split(_Composition.chunk))]
             return torch.cat(rows)
@@ -179,14 +187,14 @@ def _composition(xs, xt, ws, wt, *, loss, reduction):
 
 @method("nitrobrew_bias")
 def _nitrobrew_bias(xs, xt, ws, wt, *, loss, reduction):
-    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    extra = weight_of(loss)
     return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra,
                                     **_model_options(ws, wt, bias=True, scale=False))
 
 
 @method("nitrobrew_scale")
 def _nitrobrew_scale(xs, xt, ws, wt, *, loss, reduction):
-    extra = {"beta": BETAS["jsd"]} if loss == "jsd" else {}
+    extra = weight_of(loss)
     return getattr(nitrobrew, loss)(xs, xt, ws, wt, reduction=reduction, **extra,
                                     **_model_options(ws, wt, bias=False, scale=True))
 
@@ -194,7 +202,7 @@ def _nitrobrew_scale(xs, xt, ws, wt, *, loss, reduction):
 @method("naive")
 def _naive(xs, xt, ws, wt, *, loss, reduction):
     # dtype=None keeps the inputs' dtype: both [N, V] logit matrices are materialized, as plain PyTorch does.
-    return reference.fused_linear(xs, xt, ws, wt, beta=BETAS[loss], reduction=reduction, dtype=None)
+    return reference.fused_linear(xs, xt, ws, wt, beta=WEIGHTS[loss], divergence=loss, reduction=reduction, dtype=None)
 
 
 class _GemmFloor(torch.autograd.Function):
@@ -281,7 +289,7 @@ def _liger(xs, xt, ws, wt, *, loss, reduction):
     # liger-kernel's fused linear JSD (its beta 0 / 1 are forward / reverse KL); it returns the mean only.
     from liger_kernel.transformers import LigerFusedLinearJSD
 
-    beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": BETAS["jsd"]}[loss]
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": WEIGHTS["jsd"]}[loss]  # a KeyError: no liger counterpart
     return LigerFusedLinearJSD(jsd_beta=beta)(xs, ws, xt, wt, None)
 
 
@@ -338,7 +346,7 @@ def measure(spec):
 
 
 def print_table(rows):
-    print(f"{'method':<20}{'mode':<9}{'(N, V, Ds, Dt)':<26}{'median ms':>11}{'min ms':>10}"
+    print(f"{'method':<20}{'loss':<16}{'mode':<9}{'(N, V, Ds, Dt)':<26}{'median ms':>11}{'min ms':>10}"
           f"{'peak MiB':>10}{'vs naive':>10}{'vs floor':>10}{'loss':>10}")
     for r in rows:
         numbers = (
@@ -347,7 +355,7 @@ def print_table(rows):
             f"{fmt(r.get('loss_value'), '.5f'):>10}"
             if r["status"] == "ok" else f"{r['status']:>11}"
         )
-        print(f"{r['method']:<20}{r['mode']:<9}{str(r['shape']):<26}" + numbers)
+        print(f"{r['method']:<20}{r['loss']:<16}{r['mode']:<9}{str(r['shape']):<26}" + numbers)
 
 
 def plot(rows, path):
@@ -358,8 +366,11 @@ def plot(rows, path):
     if not rows:
         print("no successful measurement: skipping the plot")
         return
+    losses = list(dict.fromkeys(r["loss"] for r in rows))
+    for r in rows:  # one bar per method, or per (method, loss) where several losses ran
+        r["bar"] = r["method"] if len(losses) == 1 else f"{r['method']} {r['loss']}"
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = list(dict.fromkeys(r["bar"] for r in rows))
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 7), squeeze=False)
     width = 0.8 / len(methods)
@@ -367,13 +378,13 @@ def plot(rows, path):
         for row, (key, label) in enumerate([("median_ms", "median time (ms)"), ("peak_extra_mib", "peak extra (MiB)")]):
             ax = axes[row][col]
             for i, m in enumerate(methods):
-                vals = {r["shape"]: r[key] for r in rows if r["method"] == m and r["mode"] == mode}
+                vals = {r["shape"]: r[key] for r in rows if r["bar"] == m and r["mode"] == mode}
                 heights = [vals.get(s, 0.0) for s in shapes]  # a failed row draws as an empty slot
                 ax.bar([j + i * width for j in range(len(shapes))], heights, width, label=m)
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
             ax.set_xticklabels([f"N={n} V={v}\nDs={ds} Dt={dt}" for n, v, ds, dt in shapes], fontsize=8)
             ax.set_ylabel(label)
-            ax.set_title(f"{rows[0]['loss']} {mode} ({rows[0]['dtype']})")
+            ax.set_title(f"{' / '.join(losses)} {mode} ({rows[0]['dtype']})")
             ax.legend(fontsize=8)
     fig.suptitle(f"{rows[0]['device']}, torch {rows[0]['torch']}, {rows[0]['threads']} threads", fontsize=9)
     fig.tight_layout()
@@ -393,7 +404,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--modes", nargs="+", choices=["forward", "fwd_bwd"], default=["forward", "fwd_bwd"])
-    p.add_argument("--loss", choices=list(BETAS), default="forward_kl")
+    p.add_argument("--loss", nargs="+", choices=list(WEIGHTS), default=["forward_kl"],
+                   help="one or more losses, alternated with the methods over the rounds")
     p.add_argument("--shape", type=parse_shape, action="append", help="N,V,Ds,Dt (repeatable)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 cpu, bfloat16 cuda")
@@ -427,15 +439,15 @@ def main():
     meta = {
         "date": today, "device": device_name(device), "torch": torch.__version__,
         "cuda": torch.version.cuda or "none", "threads": torch.get_num_threads(),
-        "loss": args.loss, "dtype": dtype,
+        "dtype": dtype,
         "memory_metric": "cuda_max_allocated" if device.type == "cuda" else "cpu_process_peak_rss",
     }
 
     load_before = os.getloadavg()[0]
-    specs = [{"method": name, "loss": args.loss, "mode": mode, "shape": shape, "dtype": dtype, "device": args.device,
+    specs = [{"method": name, "loss": loss, "mode": mode, "shape": shape, "dtype": dtype, "device": args.device,
               "warmup": warmup, "repeats": args.repeats, "threads": args.threads,
-              "label": f"{name} {args.loss} {mode} N,V,Ds,Dt={shape} {dtype}"}
-             for shape in shapes for mode in args.modes for name in args.methods]
+              "label": f"{name} {loss} {mode} N,V,Ds,Dt={shape} {dtype}"}
+             for shape in shapes for mode in args.modes for loss in args.loss for name in args.methods]
 
     def measure_one(spec):
         result = measure_in_subprocess(__file__, spec) if device.type == "cpu" else measure(spec)
@@ -443,16 +455,16 @@ def main():
             torch.cuda.empty_cache()  # an oom must not leave cached blocks that skew the next row
         return result
 
-    rows = [{**meta, "method": spec["method"], "mode": spec["mode"], "shape": spec["shape"], "rounds": args.rounds,
-             **result} for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
+    rows = [{**meta, "method": spec["method"], "loss": spec["loss"], "mode": spec["mode"], "shape": spec["shape"],
+             "rounds": args.rounds, **result} for spec, result in zip(specs, measure_rounds(specs, measure_one, args.rounds))]
 
     # Ratios to the naive method and to the cuBLAS floor (the products alone: two forward, four fwd + bwd) of
     # the same shape and mode: absolute times only mean something in one run.
     for base_method, column in (("naive", "time_vs_naive"), ("cublas_gemms", "time_vs_floor")):
-        base = {(r["shape"], r["mode"]): r.get("median_ms") for r in rows if r["method"] == base_method}
+        base = {(r["shape"], r["mode"], r["loss"]): r.get("median_ms") for r in rows if r["method"] == base_method}
         for r in rows:
-            if r["status"] == "ok" and base.get((r["shape"], r["mode"])):
-                r[column] = r["median_ms"] / base[(r["shape"], r["mode"])]
+            if r["status"] == "ok" and base.get((r["shape"], r["mode"], r["loss"])):
+                r[column] = r["median_ms"] / base[(r["shape"], r["mode"], r["loss"])]
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
@@ -462,7 +474,7 @@ def main():
             writer.writerow({**{k: (round(v, 3) if k in ROUNDED else v) for k, v in r.items()},
                              **dict(zip(("N", "V", "Ds", "Dt"), r["shape"]))})
     print(f"\n{meta['device']}, torch {meta['torch']}, cuda {meta['cuda']}, {meta['threads']} threads, "
-          f"{args.loss}, {dtype}, median of {args.repeats} after {warmup} warm-up"
+          f"{' '.join(args.loss)}, {dtype}, median of {args.repeats} after {warmup} warm-up"
           f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}; peak MiB = {meta['memory_metric']}")
     if device.type == "cpu":  # CPU timings are only as good as the machine was quiet
         print(f"1-minute load average before the runs: {load_before:.2f} on {os.cpu_count()} cores")

@@ -5,7 +5,7 @@
 
 The logits exist before the timed region (they are the input); each run computes the loss (mode
 "forward", under no_grad) or the loss and dLoss/dzs (mode "fwd_bwd"). Methods, in one run:
-  nitrobrew  nitrobrew.logits.forward_kl / reverse_kl / jsd;
+  nitrobrew  nitrobrew.logits.forward_kl / reverse_kl / jsd / skew_forward_kl / skew_reverse_kl / tvd;
   naive      PyTorch: float32 log_softmax of both, then the divergence (F.kl_div; JSD as its definition);
   liger      liger-kernel's LigerKLDIVLoss (forward / reverse KL) or LigerJSD on log_softmax outputs
              (the log-probabilities those losses take), where liger_kernel is installed;
@@ -14,7 +14,7 @@ With --topk K ..., also nitrobrew.logits.topk_kl (normalize="full") against the 
 the same logits, and naive PyTorch for it (float32 log_softmax of the student, gather, the K terms).
 A bar plot of the times goes beside the CSV (--replot CSV draws it for a CSV already written).
 Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
-bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD twice; backward: both
+bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD, the skew KLs and TVD twice; backward: both
 again and dzs written) and, for nitrobrew, those bytes per second as a fraction of the copy's.
 """
 
@@ -31,10 +31,13 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew
+from nitrobrew import reference
 from harness import OOM_ERROR, device_name, free_device_memory, grouped_bars, memory_baseline, peak_extra_mib, pyplot
 from harness import save_figure, short_error, time_runs, write_csv
 
-LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}
+# Each loss with its weight (JSD's beta, the skew KLs' alpha).
+LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5, "skew_forward_kl": 0.1, "skew_reverse_kl": 0.1, "tvd": 0.0}
+SECOND_PASS = ("jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")  # their forward reads both matrices twice
 COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
            "min_ms", "runs", "peak_extra_mib", "bytes_moved", "gb_per_s", "fraction_of_copy"]
 
@@ -42,6 +45,8 @@ COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype",
 def nitrobrew_loss(zs, zt, loss):
     if loss == "jsd":
         return nitrobrew.logits.jsd(zs, zt, beta=LOSSES["jsd"])
+    if loss.startswith("skew_"):
+        return getattr(nitrobrew.logits, loss)(zs, zt, alpha=LOSSES[loss])
     return getattr(nitrobrew.logits, loss)(zs, zt)
 
 
@@ -51,6 +56,8 @@ def naive_loss(zs, zt, loss):
         return F.kl_div(log_p, log_q, log_target=True, reduction="batchmean")
     if loss == "reverse_kl":
         return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+    if loss != "jsd":  # the skew KLs and TVD as nitrobrew.reference writes them, in float32
+        return reference.divergence_from_logits(zs.float(), zt.float(), LOSSES[loss], loss).mean()
     beta = LOSSES["jsd"]
     log_m = torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
     return (beta * F.kl_div(log_m, log_q, log_target=True, reduction="batchmean")
@@ -63,6 +70,8 @@ def liger_loss(zs, zt, loss):
     log_p, log_q = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
     if loss == "jsd":  # liger's JSD(beta) is beta KL(P||M) + (1 - beta) KL(Q||M) with P the teacher
         return LigerJSD(beta=LOSSES["jsd"])(log_p, log_q)
+    if loss not in ("forward_kl", "reverse_kl"):
+        raise NotImplementedError(f"no liger-kernel counterpart of {loss} here")
     kl = LigerKLDIVLoss(reduction="batchmean", log_target=True)  # KL(target || input)
     return kl(log_p, log_q) if loss == "forward_kl" else kl(log_q, log_p)
 
@@ -85,7 +94,7 @@ def bytes_moved(loss, mode, n, v, elem):
     matrix = n * v * elem
     if loss.startswith("topk"):  # the student's logits once, then again and dzs written
         return matrix + (2 * matrix if mode == "fwd_bwd" else 0)
-    forward = (4 if loss == "jsd" else 2) * matrix
+    forward = (4 if loss in SECOND_PASS else 2) * matrix
     return forward + (3 * matrix if mode == "fwd_bwd" else 0)
 
 

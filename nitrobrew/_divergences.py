@@ -1,15 +1,19 @@
-"""The three divergence functions of a family (forward_kl, reverse_kl, jsd), made from one
-implementation, one signature and one docstring source.
+"""The divergence functions of a family (forward_kl, reverse_kl, jsd, skew_forward_kl, skew_reverse_kl,
+tvd), made from one implementation, one signature and one docstring source.
 
 A family defines its loss once, as `impl(divergence, *tensors, *, beta=..., <options>)`, and documents
-its arguments once; divergence_functions turns it into the three public functions, each showing the
-implementation's signature (without `divergence`, and without `beta` but for jsd) to help() and IDEs.
+its arguments once; divergence_functions turns it into the public functions, each showing the
+implementation's signature to help() and IDEs: without `divergence`; with `beta` for jsd, `alpha` (in
+beta's place) for the skew KLs, and neither for the others. The ops take one weight argument, named
+`beta`: JSD's beta or the skew KLs' alpha (csrc/divergence/distill_params.h, parse_divergence).
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Callable
+
+from nitrobrew import _checks
 
 # p = softmax of the student's logits, q = the teacher's, per row.
 SUMMARIES = {
@@ -19,30 +23,85 @@ SUMMARIES = {
         "Generalized Jensen-Shannon divergence beta * KL(q || M) + (1 - beta) * KL(p || M) with\n"
         "M = (1 - beta) p + beta q, per row (TRL / Liger convention: beta = 0 is forward KL, 1 reverse KL)."
     ),
+    "skew_forward_kl": (
+        "Skew forward KL(q || alpha q + (1 - alpha) p), per row (DistiLLM; alpha = 0 is forward KL, alpha = 1\n"
+        "gives 0)."
+    ),
+    "skew_reverse_kl": (
+        "Skew reverse KL(p || alpha p + (1 - alpha) q), per row (DistiLLM; alpha = 0 is reverse KL, alpha = 1\n"
+        "gives 0)."
+    ),
+    "tvd": (
+        "Total variation distance 1/2 sum_v |p_v - q_v|, per row. Its gradient takes the subgradient\n"
+        "sign(0) = 0 where p_v = q_v."
+    ),
 }
 
+DIVERGENCES = tuple(SUMMARIES)
 
-def divergence_functions(impl: Callable, module: str, arguments_doc: str) -> tuple[Callable, Callable, Callable]:
-    """(forward_kl, reverse_kl, jsd) calling impl("forward_kl" | "reverse_kl" | "jsd", ...).
+# The weight each divergence takes, and its default.
+WEIGHTS = {"jsd": ("beta", 0.5), "skew_forward_kl": ("alpha", 0.1), "skew_reverse_kl": ("alpha", 0.1)}
+
+
+def check_name(divergence: str, argument: str = "loss") -> str:
+    if divergence not in SUMMARIES:
+        names = ", ".join(repr(name) for name in DIVERGENCES)
+        raise ValueError(f"{argument} must be one of {names}, got {divergence!r}")
+    return divergence
+
+
+def op_weight(divergence: str, beta: float = 0.5, alpha: float = 0.1) -> float:
+    """The ops' weight argument for a divergence: jsd's beta, the skew KLs' alpha (checked, in [0, 1]), else 0."""
+    if divergence == "jsd":
+        return _checks.unit_interval(beta, "beta")
+    if divergence in ("skew_forward_kl", "skew_reverse_kl"):
+        return _checks.unit_interval(alpha, "alpha")
+    return 0.0
+
+
+def runs_second_pass(divergence: str, weight: float) -> bool:
+    """Whether a divergence with the ops' weight needs the second pass over the vocabulary (its loss is two
+    sums per row formed from the first pass's log-normalizers): jsd with beta in (0, 1), the skew KLs with
+    alpha > 0, tvd (the plain KLs need only the first)."""
+    if divergence == "jsd":
+        return 0.0 < weight < 1.0
+    if divergence in ("skew_forward_kl", "skew_reverse_kl"):
+        return weight > 0.0
+    return divergence == "tvd"
+
+
+def divergence_functions(impl: Callable, module: str, arguments_doc: str) -> tuple[Callable, ...]:
+    """(forward_kl, reverse_kl, jsd, skew_forward_kl, skew_reverse_kl, tvd) calling
+    impl(<name>, ..., beta=<the op's weight>, ...).
 
     arguments_doc: the family's "Args: ... Returns ..." text, appended to each summary."""
     signature = inspect.signature(impl)
     parameters = [p for name, p in signature.parameters.items() if name != "divergence"]
 
     def make(divergence: str) -> Callable:
-        takes_beta = divergence == "jsd"
+        weight = WEIGHTS.get(divergence, (None, None))[0]
 
         def loss(*args, **options):
-            if not takes_beta and "beta" in options:
-                raise TypeError(f"{divergence}() got an unexpected keyword argument 'beta' (jsd's mixture weight)")
+            for name, meaning in (("beta", "jsd's mixture weight"), ("alpha", "the skew KLs' weight")):
+                if name in options and name != weight:
+                    raise TypeError(f"{divergence}() got an unexpected keyword argument {name!r} ({meaning})")
+            if weight == "alpha":
+                options["beta"] = _checks.unit_interval(options.pop("alpha", WEIGHTS[divergence][1]), "alpha")
             return impl(divergence, *args, **options)
+
+        def shown(p: inspect.Parameter) -> inspect.Parameter | None:
+            if p.name != "beta":
+                return p
+            if weight == "beta":
+                return p
+            if weight == "alpha":
+                return p.replace(name="alpha", default=WEIGHTS[divergence][1])
+            return None
 
         loss.__name__ = loss.__qualname__ = divergence
         loss.__module__ = module
         loss.__doc__ = f"{SUMMARIES[divergence]}\n\n{arguments_doc}"
-        loss.__signature__ = signature.replace(
-            parameters=[p for p in parameters if takes_beta or p.name != "beta"]
-        )
+        loss.__signature__ = signature.replace(parameters=[q for q in map(shown, parameters) if q is not None])
         return loss
 
-    return make("forward_kl"), make("reverse_kl"), make("jsd")
+    return tuple(make(name) for name in DIVERGENCES)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from nitrobrew import _checks
+from nitrobrew._divergences import runs_second_pass
 from nitrobrew._registration import ops, save_tensors, saved_tensors, stats_dtype
 
 # Columns of a shard's unfinished row states (PartialField in csrc/divergence/row_partial.h).
@@ -184,7 +185,8 @@ class FusedLinearCall:
     entropy: bool = False  # also each row's student entropy (the fused-linear losses' return_entropy)
 
     def uses_mixture(self) -> bool:
-        return self.divergence == "jsd" and 0.0 < self.beta < 1.0
+        """Whether the loss needs the second pass (_divergences.runs_second_pass): its sums all-gathered too."""
+        return runs_second_pass(self.divergence, self.beta)
 
     def op_options(self, real: int) -> tuple:
         return (self.ignore_index, self.divergence, self.beta, self.temperature, self.ce_weight, self.softcap_s,

@@ -9,6 +9,10 @@ logit multipliers), p = softmax(s) (student) and q = softmax(t) (teacher):
     reverse_kl:  KL(p || q) = sum(p * (log p - log q))
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
                  (beta = 0 is forward_kl, beta = 1 is reverse_kl)
+    skew_forward_kl(alpha):  KL(q || M),  M = alpha * q + (1 - alpha) * p
+    skew_reverse_kl(alpha):  KL(p || M),  M = alpha * p + (1 - alpha) * q
+                 (alpha = 0 is forward_kl / reverse_kl; DistiLLM's skew KLs)
+    tvd:         1/2 * sum(|p - q|)   (total variation; subgradient sign(0) = 0 where p = q)
 
 plus, with ce_weight > 0, ce_weight * cross_entropy of the student's logits at temperature 1 at labels[n].
 The [tokens x vocab] logits are never written to memory whole. Two paths compute them: the recompute path
@@ -100,7 +104,7 @@ def _fused_linear_loss(
     grad_chunk_mib: int | None = None,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The one signature of forward_kl, reverse_kl and jsd (beta is jsd's alone)."""
+    """The one signature of every divergence (beta: jsd's beta or the skew KLs' alpha, _divergences.py)."""
     for name, value in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
@@ -230,6 +234,7 @@ Args:
     xs: [..., D_s] student hidden states. xt: [..., D_t] teacher hidden states, same leading shape.
     ws: [V, D_s] student unembedding. wt: [V, D_t] teacher unembedding (no gradient).
     beta (jsd only): the mixture weight, in [0, 1].
+    alpha (skew_forward_kl and skew_reverse_kl only): the skew, in [0, 1].
     temperature: divides both models' (soft-capped) logits.
     reduction: "none" (leading shape of xs, masked tokens 0), "sum", "mean" (sum over unmasked
         tokens / their number, 0 when none) or "batchmean" (= "mean").
@@ -275,4 +280,5 @@ Gradients flow to xs, ws and bias_s.
 nitrobrew.reference holds the same definitions as plain (materializing) PyTorch.
 """
 
-forward_kl, reverse_kl, jsd = divergence_functions(_fused_linear_loss, __name__, _ARGUMENTS)
+forward_kl, reverse_kl, jsd, skew_forward_kl, skew_reverse_kl, tvd = divergence_functions(
+    _fused_linear_loss, __name__, _ARGUMENTS)

@@ -27,15 +27,14 @@ import weakref
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, _hf_wrappers, distributed
-from nitrobrew.fused_linear import forward_kl, jsd, reverse_kl
+from nitrobrew import _checks, _divergences, _hf_wrappers, distributed, fused_linear
 from nitrobrew.hf_attention import CapturedAttention, attention_distillation_loss, capture_attention
 from nitrobrew.topk_logprobs import topk_logprobs
 
 __all__ = ["Unembedding", "unembedding", "distillation_loss", "teacher_topk", "scored_labels", "capture_attention",
            "attention_distillation_loss", "CapturedAttention"]
 
-LOSSES = ("forward_kl", "reverse_kl", "jsd")
+LOSSES = _divergences.DIVERGENCES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,13 +218,14 @@ def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor
 
 def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                       labels: Tensor | None = None, loss: str = "forward_kl", beta: float = 0.5,
-                      temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
+                      alpha: float = 0.1, temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
                       vocab_size: int | None = None, ignore_index: int = -100, check: bool = True,
                       grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None) -> Tensor:
     """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final
     hidden states and unembeddings: no [B, T, V] tensor is formed.
 
-    loss: "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd" (generalized, with `beta`).
+    loss: "forward_kl" (KL(teacher || student)), "reverse_kl", "jsd" (generalized, with `beta`),
+    "skew_forward_kl" / "skew_reverse_kl" (DistiLLM's, with `alpha`) or "tvd" (nitrobrew.fused_linear).
     Scored positions follow Hugging Face's causal shift (position n predicts token n + 1): where
     `labels[:, n + 1] != ignore_index`, else where `attention_mask[:, n + 1] == 1`, else every position
     but the last. ce_weight > 0 adds the student's cross-entropy at `labels[:, n + 1]` (or the next
@@ -236,8 +236,9 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     grad_in_forward, grad_chunk_mib: which path forms the gradients, and the training path's memory bound
     (nitrobrew.forward_kl's options; None: automatic, 2048 MiB).
     The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    _divergences.check_name(loss)
+    weight = {name: value for name, value in (("beta", beta), ("alpha", alpha))
+              if _divergences.WEIGHTS.get(loss, (None,))[0] == name}
     _checks.tensor(input_ids, "input_ids")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2 (a position and its next token), "
@@ -279,10 +280,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
                        bias_t=None if b_t is None else b_t.to(h_s.dtype), logit_scale_s=u_s.scale,
                        logit_scale_t=u_t.scale, softcap_s=u_s.softcap, softcap_t=u_t.softcap,
                        grad_in_forward=grad_in_forward, grad_chunk_mib=grad_chunk_mib)
-        if loss == "jsd":
-            return jsd(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), beta=beta, **options)
-        fn = forward_kl if loss == "forward_kl" else reverse_kl
-        return fn(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), **options)
+        return getattr(fused_linear, loss)(h_s, h_t.to(h_s.dtype), w_s, wt.to(h_s.dtype), **weight, **options)
 
     return _hf_wrappers.run_through(s_wrapper, s_inner, student_loss, input_ids, attention_mask)
 

@@ -5,11 +5,15 @@ p = softmax(s) (student) and q = softmax(t) (teacher):
 
     forward_kl:  KL(q || p)      reverse_kl:  KL(p || q)
     jsd(beta):   beta * KL(q || M) + (1 - beta) * KL(p || M),  M = (1 - beta) * p + beta * q
+    skew_forward_kl(alpha):  KL(q || M),  M = alpha * q + (1 - alpha) * p
+    skew_reverse_kl(alpha):  KL(p || M),  M = alpha * p + (1 - alpha) * q
+                 (alpha = 0 is forward_kl / reverse_kl; DistiLLM's skew KLs)
+    tvd:         1/2 * sum(|p - q|)   (total variation; subgradient sign(0) = 0 where p = q)
 
 Entries of -inf (masked or padded vocabulary) have probability 0 and contribute 0 (0 log 0 = 0);
 every row needs a finite logit in both models (on the CPU a row without one is an error; on CUDA its
 loss and gradient are NaN, as a check would need a host synchronization). Only zs receives a
-gradient. The forward reads each logit once (JSD: twice); the backward recomputes from per-row
+gradient. The forward reads each logit once (JSD, the skew KLs and TVD: twice); the backward recomputes from per-row
 statistics and writes dLoss/dzs. CPU and CUDA kernels.
 nitrobrew.reference.logits holds the same definitions as plain PyTorch.
 """
@@ -62,7 +66,8 @@ def _common_checks(zs, temperature, reduction, labels, ignore_index):
 def _logits_loss(divergence: str, zs: Tensor, zt: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
                  reduction: str = "mean", labels: Tensor | None = None, ignore_index: int = -100,
                  process_group=None) -> Tensor:
-    """The one signature of forward_kl, reverse_kl and jsd from logits (beta is jsd's alone)."""
+    """The one signature of every divergence from logits (beta: jsd's beta or the skew KLs' alpha,
+    _divergences.py)."""
     for name, value in (("zs", zs), ("zt", zt)):
         _checks.tensor(value, name)
         _checks.floating(value, name)
@@ -96,6 +101,7 @@ Args:
     zs, zt: [..., V] student and teacher logits of one shape and dtype (float32, float64, bfloat16 or
         float16). -inf entries have probability 0.
     beta (jsd only): the mixture weight, in [0, 1].
+    alpha (skew_forward_kl and skew_reverse_kl only): the skew, in [0, 1].
     temperature: divides both models' logits.
     reduction: "none" (leading shape, masked rows 0), "sum", "mean" (over unmasked rows; 0 when none) or
         "batchmean" (= "mean").
@@ -109,7 +115,8 @@ Args:
 Returns float32 (float64 for float64 inputs); the gradient flows to zs only.
 """
 
-forward_kl, reverse_kl, jsd = divergence_functions(_logits_loss, __name__, _ARGUMENTS)
+forward_kl, reverse_kl, jsd, skew_forward_kl, skew_reverse_kl, tvd = divergence_functions(
+    _logits_loss, __name__, _ARGUMENTS)
 
 
 def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",

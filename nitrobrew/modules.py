@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from nitrobrew import _checks, _forward_grads, fused_linear
-
-_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+from nitrobrew import _checks, _divergences, _forward_grads, fused_linear
 
 
 class DistillationLoss(nn.Module):
@@ -14,8 +12,9 @@ class DistillationLoss(nn.Module):
 
     loss = DistillationLoss("jsd", beta=0.5, temperature=2.0)(xs, xt, ws, wt, labels)
 
-    `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl" or "jsd"; the keyword
-    options are those of nitrobrew.forward_kl / reverse_kl / jsd (`beta` is used by "jsd" only;
+    `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl"
+    or "tvd"; the keyword options are those of the function of that name (`beta` is used by "jsd" only, `alpha`
+    by the skew KLs only;
     `process_group`: the group over which ws and wt are vocabulary shards, nitrobrew.distributed;
     `grad_in_forward`, `grad_chunk_mib`: the training path, which forms the gradients in the forward).
     """
@@ -25,6 +24,7 @@ class DistillationLoss(nn.Module):
         loss: str = "forward_kl",
         *,
         beta: float = 0.5,
+        alpha: float = 0.1,
         temperature: float = 1.0,
         reduction: str = "mean",
         ignore_index: int = -100,
@@ -40,10 +40,9 @@ class DistillationLoss(nn.Module):
         grad_chunk_mib: int | None = None,
     ):
         super().__init__()
-        if loss not in _LOSSES:
-            raise ValueError(f"loss must be one of {', '.join(map(repr, _LOSSES))}, got {loss!r}")
-        self.loss = loss
+        self.loss = _divergences.check_name(loss)
         self.beta = _checks.unit_interval(beta, "beta")
+        self.alpha = _checks.unit_interval(alpha, "alpha")
         # Fail at construction, not at the first training step.
         _checks.positive_number(temperature, "temperature")
         _checks.reduction(reduction)
@@ -67,11 +66,15 @@ class DistillationLoss(nn.Module):
 
     def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None,
                 bias_s: Tensor | None = None, bias_t: Tensor | None = None) -> Tensor:
-        beta = {"beta": self.beta} if self.loss == "jsd" else {}
-        return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, bias_s=bias_s, bias_t=bias_t, **beta,
-                                                process_group=self.process_group, **self.options)
+        return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, bias_s=bias_s, bias_t=bias_t,
+                                                **self._weight(), process_group=self.process_group, **self.options)
+
+    def _weight(self) -> dict:
+        """The divergence's weight as its function takes it: {"beta": ...}, {"alpha": ...} or {}."""
+        name = _divergences.WEIGHTS.get(self.loss, (None,))[0]
+        return {} if name is None else {name: getattr(self, name)}
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        beta = f"beta={self.beta}, " if self.loss == "jsd" else ""
-        return f"{self.loss!r}, {beta}{options}"
+        weight = "".join(f"{k}={v}, " for k, v in self._weight().items())
+        return f"{self.loss!r}, {weight}{options}"

@@ -52,19 +52,72 @@ def _reduce(loss: Tensor, labels: Tensor | None, ignore_index: int, reduction: s
     return loss.sum() / mask.sum().clamp(min=1)
 
 
-def divergence_from_logits(s: Tensor, t: Tensor, beta: float) -> Tensor:
-    """Per-row divergence between p = softmax(s) (student) and q = softmax(t) (teacher):
+def _log(weight: float) -> float:
+    return -math.inf if weight == 0.0 else math.log(weight)
+
+
+def _name_of(divergence: str | None, beta: float) -> str:
+    """The divergence a call names; None: named by beta (0 forward KL, 1 reverse KL, otherwise JSD(beta))."""
+    if divergence is not None:
+        return divergence
+    return {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
+
+
+def _mixture_weights(divergence: str, weight: float) -> tuple[float, float] | None:
+    """(w_p, w_q) of the mixture M = w_p p + w_q q, or None for the plain KLs (JSD at beta 0 / 1, the skew KLs at
+    alpha 0) and TVD."""
+    if divergence == "jsd" and 0.0 < weight < 1.0:
+        return 1.0 - weight, weight
+    if divergence == "skew_forward_kl" and weight > 0.0:
+        return 1.0 - weight, weight
+    if divergence == "skew_reverse_kl" and weight > 0.0:
+        return weight, 1.0 - weight
+    return None
+
+
+def _divergence(log_p: Tensor, log_q: Tensor, divergence: str, weight: float, finite_s: Tensor | None = None,
+                finite_t: Tensor | None = None) -> Tensor:
+    """Per-row divergence between p = exp(log_p) (student) and q = exp(log_q) (teacher), where the entries whose
+    finite_s / finite_t are False (log-probability -inf) have probability 0 and add nothing: their
+    log-probabilities are replaced where their terms are dropped, so that autograd never meets -inf - -inf."""
+    zero = torch.zeros_like(log_p)
+    finite_s = torch.ones_like(log_p, dtype=torch.bool) if finite_s is None else finite_s
+    finite_t = torch.ones_like(log_q, dtype=torch.bool) if finite_t is None else finite_t
+    safe_p, safe_q = torch.where(finite_s, log_p, zero), torch.where(finite_t, log_q, zero)
+    if divergence == "tvd":
+        p, q = torch.where(finite_s, safe_p.exp(), zero), torch.where(finite_t, safe_q.exp(), zero)
+        return 0.5 * (p - q).abs().sum(-1)  # autograd's subgradient of |x| at 0 is 0, as nitrobrew's
+    weights = _mixture_weights(divergence, weight)
+    if weights is None:  # a plain KL (a student -inf where the teacher is not makes forward KL +inf)
+        if divergence == "forward_kl" or divergence in ("jsd", "skew_forward_kl") and weight == 0.0:
+            return torch.where(finite_t, safe_q.exp() * (safe_q - log_p), zero).sum(-1)
+        return torch.where(finite_s, safe_p.exp() * (safe_p - log_q), zero).sum(-1)
+    w_p, w_q = weights
+    if w_p == 0.0 or w_q == 0.0:  # a skew KL at alpha = 1: M is the KL's first side itself, KL(x || x) = 0
+        return 0.0 * safe_p.sum(-1)
+    # log M from the finite sides only: a side that is -inf adds nothing to M (not exp(0), which its
+    # zero-replaced log-probability would add). Entries -inf on both sides are dropped below.
+    neither = ~(finite_s | finite_t)
+    absent = torch.where(neither, zero, torch.full_like(zero, -math.inf))
+    term_p = torch.where(finite_s, safe_p + _log(w_p), absent)
+    term_q = torch.where(finite_t, safe_q + _log(w_q), absent)
+    log_m = torch.where(neither, zero, torch.logaddexp(term_p, term_q))
+    kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
+    kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
+    if divergence == "skew_forward_kl":
+        return kl_q_m
+    if divergence == "skew_reverse_kl":
+        return kl_p_m
+    return weight * kl_q_m + (1.0 - weight) * kl_p_m
+
+
+def divergence_from_logits(s: Tensor, t: Tensor, beta: float, divergence: str | None = None) -> Tensor:
+    """Per-row divergence between p = softmax(s) (student) and q = softmax(t) (teacher). divergence: "forward_kl",
+    "reverse_kl", "jsd" (beta), "skew_forward_kl", "skew_reverse_kl" (beta holds their alpha) or "tvd"; None:
     beta = 0 forward KL(q||p), beta = 1 reverse KL(p||q), otherwise generalized JSD(beta)."""
     log_p = torch.log_softmax(s, dim=-1)
     log_q = torch.log_softmax(t, dim=-1)
-    if beta == 0.0:
-        return (log_q.exp() * (log_q - log_p)).sum(-1)
-    if beta == 1.0:
-        return (log_p.exp() * (log_p - log_q)).sum(-1)
-    log_m = torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
-    kl_q_m = (log_q.exp() * (log_q - log_m)).sum(-1)
-    kl_p_m = (log_p.exp() * (log_p - log_m)).sum(-1)
-    return beta * kl_q_m + (1.0 - beta) * kl_p_m
+    return _divergence(log_p, log_q, _name_of(divergence, beta), beta)
 
 
 def fused_linear(
@@ -74,6 +127,7 @@ def fused_linear(
     wt: Tensor,
     *,
     beta: float,
+    divergence: str | None = None,
     temperature: float = 1.0,
     reduction: str = "mean",
     labels: Tensor | None = None,
@@ -88,8 +142,9 @@ def fused_linear(
     logit_scale_t: float = 1.0,
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
-    """What nitrobrew.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute, with the
-    logits materialized in `dtype` (None: the inputs' dtype, as naive PyTorch would)."""
+    """What nitrobrew.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute, or with `divergence` the
+    function of that name (beta: the skew KLs' alpha), with the logits materialized in `dtype` (None: the
+    inputs' dtype, as naive PyTorch would)."""
     if dtype is not None:
         xs, xt, ws, wt = (t.to(dtype) for t in (xs, xt, ws, wt))
         bias_s, bias_t = (None if b is None else b.to(dtype) for b in (bias_s, bias_t))
@@ -97,7 +152,7 @@ def fused_linear(
     bias_s, bias_t = (None if b is None else b[:vocab_size] for b in (bias_s, bias_t))
     zs = model_logits(xs, ws[:vocab_size], bias=bias_s, logit_scale=logit_scale_s, softcap=softcap_s)  # [..., V]
     zt = model_logits(xt, wt[:vocab_size], bias=bias_t, logit_scale=logit_scale_t, softcap=softcap_t)
-    loss = divergence_from_logits(zs / temperature, zt / temperature, beta)
+    loss = divergence_from_logits(zs / temperature, zt / temperature, beta, divergence)
     mask = torch.ones_like(loss, dtype=torch.bool) if labels is None else labels != ignore_index
     if ce_weight != 0.0:
         safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
@@ -144,13 +199,15 @@ def logits(
     zt: Tensor,
     *,
     beta: float,
+    divergence: str | None = None,
     temperature: float = 1.0,
     reduction: str = "mean",
     labels: Tensor | None = None,
     ignore_index: int = -100,
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
-    """What nitrobrew.logits.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute. Entries of
+    """What nitrobrew.logits.forward_kl (beta=0), reverse_kl (beta=1) and jsd(beta) compute, or with `divergence`
+    the function of that name (beta: the skew KLs' alpha). Entries of
     -inf have probability 0 and contribute 0 (0 log 0 = 0), in the value and in autograd; NaN or +inf
     entries, or a side with no entry above -inf, make the row NaN."""
     if dtype is not None:
@@ -161,26 +218,7 @@ def logits(
     undefined = ~(zs > -math.inf).any(-1) | ~(zt > -math.inf).any(-1)
     log_p = torch.log_softmax(zs / temperature, dim=-1)
     log_q = torch.log_softmax(zt / temperature, dim=-1)
-    # -inf log-probabilities replaced where their terms are dropped, so autograd never meets -inf - -inf.
-    safe_p = torch.where(finite_s, log_p, torch.zeros_like(log_p))
-    safe_q = torch.where(finite_t, log_q, torch.zeros_like(log_q))
-    zero = torch.zeros_like(log_p)
-    if beta == 0.0:
-        loss = torch.where(finite_t, safe_q.exp() * (safe_q - log_p), zero).sum(-1)
-    elif beta == 1.0:
-        loss = torch.where(finite_s, safe_p.exp() * (safe_p - log_q), zero).sum(-1)
-    else:
-        # log M from the finite sides only: a side that is -inf adds nothing to M (not exp(0), which
-        # its zero-replaced log-probability would add). Entries -inf on both sides are dropped below;
-        # their terms are 0 here so that autograd meets no -inf - -inf.
-        neither = ~(finite_s | finite_t)
-        absent = torch.where(neither, zero, torch.full_like(zero, -math.inf))
-        term_p = torch.where(finite_s, safe_p + math.log1p(-beta), absent)
-        term_q = torch.where(finite_t, safe_q + math.log(beta), absent)
-        log_m = torch.where(neither, zero, torch.logaddexp(term_p, term_q))
-        kl_q_m = torch.where(finite_t, safe_q.exp() * (safe_q - log_m), zero).sum(-1)
-        kl_p_m = torch.where(finite_s, safe_p.exp() * (safe_p - log_m), zero).sum(-1)
-        loss = beta * kl_q_m + (1.0 - beta) * kl_p_m
+    loss = _divergence(log_p, log_q, _name_of(divergence, beta), beta, finite_s, finite_t)
     return _reduce(_nan_where(undefined, loss), labels, ignore_index, reduction)
 
 

@@ -9,17 +9,43 @@ from nitrobrew import reference
 
 LOSSES = {0.0: nitrobrew.forward_kl, 1.0: nitrobrew.reverse_kl}
 
+# A test's divergence is a `beta`: 0 forward KL, 1 reverse KL, otherwise JSD(beta); or a (name, weight) pair for
+# the others: ("skew_forward_kl", alpha), ("skew_reverse_kl", alpha), ("tvd", 0.0).
+NEW_DIVERGENCES = [("skew_forward_kl", 0.1), ("skew_reverse_kl", 0.5), ("tvd", 0.0)]
 
-def divergence_of(beta: float) -> str:
-    """The op's divergence argument for a test's beta: 0 forward KL, 1 reverse KL, else JSD(beta)."""
+
+def divergence_of(beta) -> str:
+    """The op's divergence argument for a test's beta: 0 forward KL, 1 reverse KL, else JSD(beta); a pair's name."""
+    if isinstance(beta, tuple):
+        return beta[0]
     return {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
 
 
-def nitrobrew_loss(xs, xt, ws, wt, *, beta, **options):
-    """The public function for a beta: forward_kl (0), reverse_kl (1), jsd (otherwise)."""
-    if beta in LOSSES:
+def op_weight(beta) -> float:
+    """The op's weight argument for a test's beta (the pair's weight: the skew KLs' alpha)."""
+    return beta[1] if isinstance(beta, tuple) else beta
+
+
+def reference_options(beta) -> dict:
+    """The reference's (beta, divergence) options for a test's beta."""
+    return {"beta": op_weight(beta), "divergence": divergence_of(beta)}
+
+
+def weight_kwargs(beta) -> dict:
+    """The public function's weight keyword for a test's beta: {"beta": ...}, {"alpha": ...} or {}."""
+    name = divergence_of(beta)
+    if name == "jsd":
+        return {"beta": op_weight(beta)}
+    if name.startswith("skew_"):
+        return {"alpha": op_weight(beta)}
+    return {}
+
+
+def nitrobrew_loss(xs, xt, ws, wt, *, beta, module=nitrobrew, **options):
+    """The public function for a test's beta: forward_kl (0), reverse_kl (1), jsd (otherwise), or a pair's."""
+    if not isinstance(beta, tuple) and beta in LOSSES and module is nitrobrew:
         return LOSSES[beta](xs, xt, ws, wt, **options)
-    return nitrobrew.jsd(xs, xt, ws, wt, beta=beta, **options)
+    return getattr(module, divergence_of(beta))(xs, xt, ws, wt, **weight_kwargs(beta), **options)
 
 
 def make_problem(n=37, v=1000, d_s=24, d_t=40, *, lead=None, scale=3.0, rows_s=None, rows_t=None,
@@ -67,8 +93,9 @@ def make_biases(ws, wt, *, scale=1.0, seed=1):
                  for w in (ws, wt))
 
 
-def reference_values_and_grads(xs, xt, ws, wt, upstream, *, dtype, bias_s=None, bias_t=None, **options):
+def reference_values_and_grads(xs, xt, ws, wt, upstream, *, dtype, beta, bias_s=None, bias_t=None, **options):
     """Reference loss and (dxs, dws[, dbias_s]) by autograd, evaluated in `dtype`."""
+    options.update(reference_options(beta))
     xs_ = xs.detach().to(dtype).requires_grad_()
     ws_ = ws.detach().to(dtype).requires_grad_()
     leaves = [xs_, ws_]

@@ -125,10 +125,11 @@ struct OnlineKLPass {
   }
 };
 
-// Pass 2 of JSD: with the log-normalizers known, sums KL(q||M) and KL(p||M) per row, in float64
-// whatever the tiles' type: its terms q (log q - log M) are differences of nearly equal numbers
-// when p ~ q, and in float32 a JSD of ~1e-8 per row came out off by up to 50% (float32 PyTorch:
-// up to 800%); float64 from the same float32 row statistics is exact to ~1e-13.
+// Pass 2 of the divergences that have one (has_second_pass: JSD, the skew KLs, TVD): with the
+// log-normalizers known, sums second_pass_terms' (a, b) per row, in float64 whatever the tiles' type:
+// JSD's terms q (log q - log M) are differences of nearly equal numbers when p ~ q, and in float32 a JSD
+// of ~1e-8 per row came out off by up to 50% (float32 PyTorch: up to 800%); float64 from the same
+// float32 row statistics is exact to ~1e-13.
 template <typename acc_t>
 struct MixturePass {
   using mix_t = double;
@@ -136,12 +137,12 @@ struct MixturePass {
   const uint8_t* valid;
   const acc_t* stats;  // [N, kNumRowStats]
   DivergenceParams<mix_t> div;
-  std::vector<mix_t> kl_q_m, kl_p_m;
+  std::vector<mix_t> sum_a, sum_b;
 
   MixturePass(const DistillParams& params, const uint8_t* valid_rows, const acc_t* row_stats)
       : p(params), valid(valid_rows), stats(row_stats),
-        div(divergence_params<mix_t>(params)), kl_q_m(params.num_rows, mix_t(0)),
-        kl_p_m(params.num_rows, mix_t(0)) {}
+        div(divergence_params<mix_t>(params)), sum_a(params.num_rows, mix_t(0)),
+        sum_b(params.num_rows, mix_t(0)) {}
 
   void begin_vocab_tile(int64_t, int64_t) {}
   void end_row_chunk(const LogitTile&) {}
@@ -157,14 +158,11 @@ struct MixturePass {
     const auto sums = lane_sums<mix_t, 2>(cols, [&](int64_t v) {
       const mix_t log_p = log_prob(static_cast<mix_t>(scale_logit(zs[v], inv_t)), norm_s);
       const mix_t log_q = log_prob(static_cast<mix_t>(scale_logit(zt[v], inv_t)), norm_t);
-      const mix_t log_m = log_mixture(div, log_p, log_q);
-      // An entry of -inf on one side adds nothing to that side's sum (0 log 0 = 0); log_m is
-      // finite unless both sides are -inf, and then neither term is formed.
-      return std::array<mix_t, 2>{log_q == kNegInf<mix_t> ? mix_t(0) : exp_(log_q) * (log_q - log_m),
-                                  log_p == kNegInf<mix_t> ? mix_t(0) : exp_(log_p) * (log_p - log_m)};
+      const SecondPassTerms<mix_t> terms = second_pass_terms(div, log_p, log_q);
+      return std::array<mix_t, 2>{terms.a, terms.b};
     });
-    kl_q_m[n] += sums[0];
-    kl_p_m[n] += sums[1];
+    sum_a[n] += sums[0];
+    sum_b[n] += sums[1];
   }
 };
 
@@ -185,8 +183,8 @@ at::Tensor distill_partials(Source& source, const c10::optional<at::Tensor>& lab
   return partials;
 }
 
-// JSD's pass 2 over the tiles `source` fills, with the log-normalizers of row_stats (over the whole
-// vocabulary): the sums KL(q||M) and KL(p||M) of these tiles per row, [N, 2] in float64.
+// Pass 2 (has_second_pass) over the tiles `source` fills, with the log-normalizers of row_stats (over the
+// whole vocabulary): second_pass_terms' sums of these tiles per row, [N, 2] in float64.
 template <typename acc_t, typename Source>
 at::Tensor mixture_sums(Source& source, const std::vector<uint8_t>& valid, const at::Tensor& row_stats,
                         const DistillParams& p, const at::TensorOptions& acc_options) {
@@ -196,16 +194,16 @@ at::Tensor mixture_sums(Source& source, const std::vector<uint8_t>& valid, const
   at::Tensor sums = at::empty({p.num_rows, 2}, acc_options.dtype(at::kDouble));
   double* out = sums.data_ptr<double>();
   for (int64_t n = 0; n < p.num_rows; ++n) {
-    out[2 * n] = mix.kl_q_m[n];
-    out[2 * n + 1] = mix.kl_p_m[n];
+    out[2 * n] = mix.sum_a[n];
+    out[2 * n + 1] = mix.sum_b[n];
   }
   return sums;
 }
 
 // Merges each row's R parts (partials [R, N, kNumPartialFields], in part order) and finishes the
-// row: (loss [N], row_stats [N, kNumRowStats]) in acc_t, masked rows 0. JSD's loss needs its
-// mixture sums ([R, N, 2] float64, summed over the parts; without them only its row statistics'
-// log-normalizers are final, which its pass 2 reads). Labels are the whole vocabulary's.
+// row: (loss [N], row_stats [N, kNumRowStats]) in acc_t, masked rows 0. A second pass's loss needs its
+// sums ([R, N, 2] float64, summed over the parts; without them only the row statistics'
+// log-normalizers are final, which pass 2 reads). Labels are the whole vocabulary's.
 template <typename acc_t>
 std::tuple<at::Tensor, at::Tensor> finish_rows(const at::Tensor& partials, const c10::optional<at::Tensor>& mixture,
                                                const c10::optional<at::Tensor>& labels,
@@ -223,25 +221,25 @@ std::tuple<at::Tensor, at::Tensor> finish_rows(const at::Tensor& partials, const
   for (int64_t n = 0; n < p.num_rows; ++n) {
     if (!valid[n]) continue;
     RowPartial<acc_t> st;
-    double kl_q_m = 0.0, kl_p_m = 0.0;
+    double sum_a = 0.0, sum_b = 0.0;
     for (int64_t r = 0; r < num_parts; ++r) {
       merge(st, load_partial<acc_t>(parts.data_ptr<acc_t>() + (r * p.num_rows + n) * kNumPartialFields));
       if (mix.defined()) {
-        kl_q_m += mix.data_ptr<double>()[(r * p.num_rows + n) * 2];
-        kl_p_m += mix.data_ptr<double>()[(r * p.num_rows + n) * 2 + 1];
+        sum_a += mix.data_ptr<double>()[(r * p.num_rows + n) * 2];
+        sum_b += mix.data_ptr<double>()[(r * p.num_rows + n) * 2 + 1];
       }
     }
     acc_t* row = stats_ + n * kNumRowStats;
     const int64_t label = labels.has_value() ? labels_c.data_ptr<int64_t>()[n] : 0;
     loss_[n] = finish_row(st, finish, label, row);
-    if (mix.defined() && p.kind == Divergence::kJSD) {
-      loss_[n] = finish_jsd_row(kl_q_m, kl_p_m, div, finish, st.label_logit, row);
+    if (mix.defined() && has_second_pass(p.kind)) {
+      loss_[n] = finish_second_pass_row(sum_a, sum_b, div, finish, st.label_logit, row);
     }
   }
   return {loss, row_stats};
 }
 
-// The forward of every op over the whole vocabulary: pass 1 (and JSD's pass 2) over the tiles
+// The forward of every op over the whole vocabulary: pass 1 (and pass 2 where the divergence has one) over the tiles
 // `source` fills; returns (loss [N], row_stats [N, kNumRowStats]) in acc_t.
 template <typename acc_t, typename Source>
 std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::optional<at::Tensor>& labels,
@@ -249,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> distill_forward(Source& source, const c10::op
   const std::vector<uint8_t> valid = row_mask(labels, p, /*check_label_range=*/true);
   const at::Tensor partials = distill_partials<acc_t>(source, labels, valid, p, acc_options).unsqueeze(0);
   auto [loss, row_stats] = finish_rows<acc_t>(partials, c10::nullopt, labels, valid, p);
-  if (p.kind != Divergence::kJSD) return {loss, row_stats};
+  if (!has_second_pass(p.kind)) return {loss, row_stats};
   const at::Tensor mixture = mixture_sums<acc_t>(source, valid, row_stats, p, acc_options).unsqueeze(0);
   return finish_rows<acc_t>(partials, mixture, labels, valid, p);
 }
@@ -294,7 +292,7 @@ struct GradientPass {
       return;
     }
     // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never the
-    // 0 * inf that the reverse-KL and JSD formulas would form.
+    // 0 * inf that the other divergences' formulas would form.
     const bool zero_at_masked = div.kind != Divergence::kForwardKL;
     for (int64_t v = 0; v < cols; ++v) {
       const acc_t z = zs[v];
@@ -334,13 +332,13 @@ inline void check_backward_inputs(const at::Tensor& grad_loss, const at::Tensor&
               "grad_loss and row_stats must be CPU tensors here");
 }
 
-// The whole vocabulary's row statistics that a shard's JSD pass 2 reads.
+// The whole vocabulary's row statistics that a shard's pass 2 reads (has_second_pass).
 inline void check_shard_row_stats(const at::Tensor& row_stats, const DistillParams& p) {
   TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == p.num_rows && row_stats.size(1) == kNumRowStats,
               "row_stats must be [N, ", int(kNumRowStats), "] = [", p.num_rows, ", ", int(kNumRowStats),
               "] as merge_shards returns it, got ", row_stats.sizes());
   TORCH_CHECK(row_stats.device().is_cpu(), "row_stats must be a CPU tensor here");
-  TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+  TORCH_CHECK(has_second_pass(p.kind), "row_stats are given only to a second pass (jsd, the skew KLs, tvd)");
 }
 
 }  // namespace cpu

@@ -6,21 +6,42 @@
 
 namespace nitrobrew {
 
-Divergence parse_divergence(c10::string_view name, double beta) {
+Divergence parse_divergence(c10::string_view name, double weight) {
   if (name == "forward_kl") return Divergence::kForwardKL;
   if (name == "reverse_kl") return Divergence::kReverseKL;
-  TORCH_CHECK(name == "jsd", "divergence must be 'forward_kl', 'reverse_kl' or 'jsd', got '", name, "'");
-  TORCH_CHECK(beta >= 0.0 && beta <= 1.0, "beta must be in [0, 1], got ", beta);
-  return beta == 0.0 ? Divergence::kForwardKL : beta == 1.0 ? Divergence::kReverseKL : Divergence::kJSD;
+  if (name == "tvd") return Divergence::kTVD;
+  const bool skew_forward = name == "skew_forward_kl", skew_reverse = name == "skew_reverse_kl";
+  TORCH_CHECK(name == "jsd" || skew_forward || skew_reverse,
+              "divergence must be 'forward_kl', 'reverse_kl', 'jsd', 'skew_forward_kl', 'skew_reverse_kl' or 'tvd', "
+              "got '", name, "'");
+  if (skew_forward || skew_reverse) {
+    TORCH_CHECK(weight >= 0.0 && weight <= 1.0, "alpha must be in [0, 1], got ", weight);
+    if (weight == 0.0) return skew_forward ? Divergence::kForwardKL : Divergence::kReverseKL;
+    return skew_forward ? Divergence::kSkewForwardKL : Divergence::kSkewReverseKL;
+  }
+  TORCH_CHECK(weight >= 0.0 && weight <= 1.0, "beta must be in [0, 1], got ", weight);
+  return weight == 0.0 ? Divergence::kForwardKL : weight == 1.0 ? Divergence::kReverseKL : Divergence::kJSD;
+}
+
+double mixture_beta(Divergence kind, double weight) {
+  switch (kind) {
+    case Divergence::kForwardKL: return 0.0;
+    case Divergence::kReverseKL: return 1.0;
+    case Divergence::kSkewForwardKL: return weight;         // M = alpha q + (1 - alpha) p
+    case Divergence::kSkewReverseKL: return 1.0 - weight;   // M = alpha p + (1 - alpha) q
+    case Divergence::kTVD: return 0.0;                      // no mixture
+    default: return weight;
+  }
 }
 
 DistillParams divergence_options(const c10::optional<at::Tensor>& labels, int64_t ignore_index,
                                  c10::string_view divergence, double beta, double temperature) {
+  TORCH_CHECK(std::isfinite(beta), "the divergence's weight (beta or alpha) must be a number, got ", beta);
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
               "temperature must be a positive number, got ", temperature);
   DistillParams p;
   p.kind = parse_divergence(divergence, beta);
-  p.beta = p.kind == Divergence::kForwardKL ? 0.0 : p.kind == Divergence::kReverseKL ? 1.0 : beta;
+  p.beta = mixture_beta(p.kind, beta);
   p.inv_temperature = 1.0 / temperature;
   p.ce_weight = 0.0;
   p.softcap_s = p.softcap_t = 0.0;

@@ -16,7 +16,8 @@ namespace nitrobrew {
 
 struct DistillParams {
   Divergence kind;
-  double beta;             // JSD mixture weight; 0 for forward KL, 1 for reverse KL
+  double beta;             // the mixture weight of M = (1 - beta) p + beta q (mixture_beta); 0 for forward KL
+                           // and TVD, 1 for reverse KL
   double inv_temperature;  // 1 / tau, applied after the softcap
   double ce_weight;        // weight of the hard-label cross-entropy add-on (0 = off)
   double softcap_s;        // 0 = no soft-capping
@@ -33,10 +34,15 @@ struct DistillParams {
   bool entropy;  // also each row's student entropy (RowStat kEntropyS): the fused-linear forwards, when asked
 };
 
-// The divergence named by an op's `divergence` argument: "forward_kl", "reverse_kl" or "jsd".
-// JSD's beta must be in [0, 1]; JSD(0) is forward KL and JSD(1) reverse KL (the mixture formula is
-// discontinuous there), so they run as those. beta is not read for the two KLs.
-Divergence parse_divergence(c10::string_view name, double beta);
+// The divergence named by an op's `divergence` argument: "forward_kl", "reverse_kl", "jsd",
+// "skew_forward_kl", "skew_reverse_kl" or "tvd". `weight` is the op's `beta` argument: JSD's beta, or the
+// skew KLs' alpha, in [0, 1]. JSD(0) and the skew KLs at alpha = 0 are forward KL, JSD(1) and the skew
+// reverse KL at alpha = 0 reverse KL (the mixture formula is discontinuous there), so they run as those.
+// It is not read for the two KLs and TVD.
+Divergence parse_divergence(c10::string_view name, double weight);
+
+// The mixture weight beta of M = (1 - beta) p + beta q for a divergence and the op's weight (above).
+double mixture_beta(Divergence kind, double weight);
 
 // The options every divergence op shares (divergence, beta, temperature, labels); the family's
 // params.cpp fills in the shapes and its extras.
@@ -61,8 +67,8 @@ DivergenceParams<T> divergence_params(const DistillParams& p) {
   d.kind = p.kind;
   d.beta = static_cast<T>(p.beta);
   d.one_minus_beta = static_cast<T>(1.0 - p.beta);
-  d.log_1m_beta = p.kind == Divergence::kJSD ? static_cast<T>(std::log1p(-p.beta)) : T(0);
-  d.log_beta = p.kind == Divergence::kJSD ? static_cast<T>(std::log(p.beta)) : T(0);
+  d.log_1m_beta = has_mixture(p.kind) ? static_cast<T>(std::log1p(-p.beta)) : T(0);
+  d.log_beta = has_mixture(p.kind) ? static_cast<T>(std::log(p.beta)) : T(0);
   return d;
 }
 

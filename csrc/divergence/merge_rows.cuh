@@ -19,7 +19,8 @@ struct MergeRowsArgs {
 // One thread per row, the parts merged in order (deterministic). Outputs, where given:
 //   merged [N, kNumPartialFields]: the merged unfinished state (masked rows: empty states);
 //   loss [N], row_stats [N, kNumRowStats]: the finished row (masked rows untouched: zero them);
-//     JSD's loss needs `mixture`, without it only its row statistics' log-normalizers are final.
+//     a second pass's loss needs `mixture` (its sums, [R, N, 2]), without it only the row statistics'
+//     log-normalizers are final.
 // label_logit [N], if given, holds the label's logit in place of the parts' (a forward's splits
 // write it there: one writer per row).
 template <typename T, typename M>
@@ -30,13 +31,13 @@ __global__ void merge_rows_kernel(MergeRowsArgs a, DivergenceParams<M> div, cons
   if (n >= a.n_rows) return;
   const bool valid = a.labels == nullptr || a.labels[n] != a.ignore_index;
   RowPartial<T> st;
-  M kl_q_m = M(0), kl_p_m = M(0);
+  M sum_a = M(0), sum_b = M(0);  // the second pass's sums (second_pass_terms)
   for (int r = 0; valid && r < a.parts; ++r) {
     const int64_t at = int64_t(r) * a.n_rows + n;
     merge(st, load_partial<T>(partials + at * kNumPartialFields));
     if (mixture != nullptr) {
-      kl_q_m += mixture[2 * at];
-      kl_p_m += mixture[2 * at + 1];
+      sum_a += mixture[2 * at];
+      sum_b += mixture[2 * at + 1];
     }
   }
   if (valid && label_logit != nullptr) st.label_logit = label_logit[n];
@@ -44,8 +45,8 @@ __global__ void merge_rows_kernel(MergeRowsArgs a, DivergenceParams<M> div, cons
   if (!valid || loss == nullptr) return;
   T* row = row_stats + n * kNumRowStats;
   T value = finish_row(st, a.finish, a.labels != nullptr ? a.labels[n] : 0, row);
-  if (mixture != nullptr && div.kind == Divergence::kJSD) {
-    value = finish_jsd_row(kl_q_m, kl_p_m, div, a.finish, st.label_logit, row);
+  if (mixture != nullptr && has_second_pass(div.kind)) {
+    value = finish_second_pass_row(sum_a, sum_b, div, a.finish, st.label_logit, row);
   }
   loss[n] = value;
 }

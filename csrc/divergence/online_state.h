@@ -7,14 +7,31 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 
 #include "../engine/numerics.h"
 
 namespace nitrobrew {
 
-// Which divergence a kernel computes. JSD(beta) with beta = 0 / 1 is mapped to
-// kForwardKL / kReverseKL by the caller: the mixture formula is discontinuous there.
-enum class Divergence : int { kForwardKL = 0, kReverseKL = 1, kJSD = 2 };
+// Which divergence a kernel computes (docs/design.md, section 2). JSD(beta) with beta = 0 / 1, and the
+// skew KLs with alpha = 0, are mapped to kForwardKL / kReverseKL by the caller (parse_divergence): the
+// mixture formula is discontinuous there, and the plain KLs need no second pass.
+//   kJSD            beta KL(q || M) + (1 - beta) KL(p || M),  M = (1 - beta) p + beta q
+//   kSkewForwardKL  KL(q || M),  M = alpha q + (1 - alpha) p   (beta = alpha)
+//   kSkewReverseKL  KL(p || M),  M = alpha p + (1 - alpha) q   (beta = 1 - alpha)
+//   kTVD            1/2 sum_v |p_v - q_v|
+enum class Divergence : int { kForwardKL = 0, kReverseKL = 1, kJSD = 2, kSkewForwardKL = 3, kSkewReverseKL = 4, kTVD = 5 };
+
+// Divergences whose loss and gradient centre are two sums per row over the whole vocabulary, formed from
+// pass 1's log-normalizers in a second pass (second_pass_terms; finish_second_pass).
+NB_HOST_DEVICE constexpr bool has_second_pass(Divergence k) {
+  return k != Divergence::kForwardKL && k != Divergence::kReverseKL;
+}
+
+// Divergences of a mixture M = (1 - beta) p + beta q (log_mixture).
+NB_HOST_DEVICE constexpr bool has_mixture(Divergence k) {
+  return k == Divergence::kJSD || k == Divergence::kSkewForwardKL || k == Divergence::kSkewReverseKL;
+}
 
 // Running log-sum-exp of one distribution: lse = m + log(l).
 template <typename T>
@@ -163,28 +180,102 @@ NB_HOST_DEVICE KLRowResult<T> finish_kl_row(const KLState<T>& st, bool weight_by
 template <typename T>
 struct DivergenceParams {
   Divergence kind;
-  T beta;           // JSD mixture weight M = (1 - beta) p + beta q
+  T beta;           // the mixture weight of M = (1 - beta) p + beta q (has_mixture)
   T one_minus_beta; // 1 - beta, formed in double: beta near 1 would lose it in float
-  T log_1m_beta;    // log(1 - beta), JSD only
-  T log_beta;       // log(beta), JSD only
+  T log_1m_beta;    // log(1 - beta), -inf at beta = 1 (has_mixture only)
+  T log_beta;       // log(beta), -inf at beta = 0 (has_mixture only)
 };
 
-// log M for M = (1 - beta) p + beta q. The JSD's forward and backward of one kernel family must
-// pass the same `exp`: the backward's centre is the forward's sum of the same log p - log M terms.
+// log M for M = (1 - beta) p + beta q. The forward and backward of one kernel family must pass the
+// same `exp`: the backward's centre is the forward's sum of terms of the same log M. NaN where p and
+// q are both 0 (its callers drop those entries).
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q, Exp exp = Exp{}) {
   return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q, exp);
 }
 
+// -1, 0 or 1; 0 for NaN (both sides -inf: an entry where p = q = 0).
+template <typename T>
+NB_HOST_DEVICE T sign_of(T x) {
+  return T(x > T(0)) - T(x < T(0));
+}
+
+// The two per-entry terms of the second pass, summed per row over the vocabulary (a, b):
+//   JSD:              q (log q - log M),  p (log p - log M)    KL(q || M), KL(p || M)
+//   skew forward KL:  q (log q - log M),  p q / M              the loss, the gradient's centre
+//   skew reverse KL:  p (log p - log M),  p q / M
+//   TVD:              |p - q|,            sign(p - q) p        (sign(0) = 0)
+// Entries where a side is 0 add 0 without a test of their own: a -inf log-probability weighs exp(-inf)
+// = 0, and its difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite
+// value, which 0 times leaves 0 (fmax returns the number when the other operand is NaN). The
+// products p q / M and p^2 / M are formed as exponentials of sums of log-probabilities: 0 where p
+// (or q) is 0, never exp(NaN).
+template <typename T>
+struct SecondPassTerms {
+  T a, b;
+};
+
+template <typename T, typename Exp = StdExp>
+NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d, T log_p, T log_q,
+                                                    Exp exp = Exp{}) {
+  using std::fabs;
+  using std::fmax;
+  constexpr T kLowest = std::numeric_limits<T>::lowest();
+  if (d.kind == Divergence::kTVD) {
+    const T p = exp(log_p);
+    return {fabs(p - exp(log_q)), sign_of(log_p - log_q) * p};
+  }
+  // Each term formed only in the branch that uses it: formed before the branches, JSD's float64 pass (float32
+  // inputs, the training path's row kernel, sm_90a) went from no spills to 44-76 bytes, its kind a constant.
+  const T log_m = log_mixture(d, log_p, log_q, exp);
+  if (d.kind == Divergence::kJSD) {
+    return {exp(log_q) * fmax(log_q - log_m, kLowest), exp(log_p) * fmax(log_p - log_m, kLowest)};
+  }
+  const T log_pq = log_p + log_q;
+  const T pq_over_m = log_pq == kNegInf<T> ? T(0) : exp(log_pq - log_m);
+  if (d.kind == Divergence::kSkewForwardKL) return {exp(log_q) * fmax(log_q - log_m, kLowest), pq_over_m};
+  return {exp(log_p) * fmax(log_p - log_m, kLowest), pq_over_m};  // the skew reverse KL
+}
+
+// A row's loss and gradient centre from its second-pass sums over the whole vocabulary.
+template <typename T>
+struct SecondPassRow {
+  T loss, center;
+};
+
+template <typename T>
+NB_HOST_DEVICE SecondPassRow<T> finish_second_pass(const DivergenceParams<T>& d, T a, T b) {
+  switch (d.kind) {
+    case Divergence::kSkewForwardKL:
+      return {a, b};
+    case Divergence::kSkewReverseKL:  // 1 - alpha = beta
+      return {a, a + d.beta * b};
+    case Divergence::kTVD:
+      return {T(0.5) * a, b};
+    default:
+      return {d.beta * a + d.one_minus_beta * b, b};
+  }
+}
+
 // dLoss/ds_v for one vocabulary entry (docs/design.md section 5), where s, t are the student's
-// and teacher's temperature-scaled logits and log_p, log_q their log-probabilities.
-// `center` is the per-row value the forward saved:
-//   reverse KL: E_p[s - t]. p (log p - log q - KL) = p ((s - t) - E_p[s - t]): the two
-//               log-normalizers cancel exactly, which keeps the gradient accurate when
-//               logits are ~1e4 and KL is a difference of two such numbers.
-//   JSD:        KL(p || M), summed in the forward from the same log p - log M terms.
-//   forward KL: unused.
-// `exp` evaluates the probabilities and the mixture (log_mixture).
+// and teacher's temperature-scaled logits and log_p, log_q their log-probabilities. Each is
+// p_v (g_v - sum_u p_u g_u) with g = dLoss/dp, and `center` is the per-row sum the forward saved:
+//   reverse KL:       E_p[s - t]. p (log p - log q - KL) = p ((s - t) - E_p[s - t]): the two
+//                     log-normalizers cancel exactly, which keeps the gradient accurate when
+//                     logits are ~1e4 and KL is a difference of two such numbers.
+//   JSD:              KL(p || M), summed in the forward from the same log p - log M terms;
+//                     (1 - beta) p (log p - log M - KL(p || M)).
+//   skew forward KL:  sum p q / M;  -(1 - alpha) p (q / M - center).
+//   skew reverse KL:  KL(p || M) + (1 - alpha) sum p q / M;  p (log p - log M + (1 - alpha) q / M - center).
+//                     (dLoss/dp = log p - log M + 1 - alpha p / M, and alpha p / M = 1 - (1 - alpha) q / M:
+//                     the constants cancel, and the q / M form keeps the gradient's error in proportion to it
+//                     as alpha -> 1, where alpha p / M ~ alpha and the centre cancelled it at ~alpha / (1 - alpha)
+//                     times the float32 reference's error.)
+//   TVD:              sum sign(p - q) p;  1/2 p (sign(p - q) - center), with the subgradient
+//                     sign(0) = 0 where p = q.
+//   forward KL:       unused.
+// `exp` evaluates the probabilities and the mixture (log_mixture). The callers give entries where p = 0
+// (s = -inf) the gradient 0 without calling this, but forward KL's -q.
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p, T log_q, T center,
                                  Exp exp = Exp{}) {
@@ -194,6 +285,17 @@ NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p
       return p - exp(log_q);
     case Divergence::kReverseKL:
       return p * ((s - t) - center);
+    case Divergence::kSkewForwardKL: {
+      const T q_over_m = log_q == kNegInf<T> ? T(0) : exp(log_q - log_mixture(d, log_p, log_q, exp));
+      return -d.one_minus_beta * p * (q_over_m - center);
+    }
+    case Divergence::kSkewReverseKL: {  // beta = 1 - alpha
+      const T log_m = log_mixture(d, log_p, log_q, exp);
+      const T q_over_m = log_q == kNegInf<T> ? T(0) : exp(log_q - log_m);
+      return p * ((log_p - log_m) + d.beta * q_over_m - center);
+    }
+    case Divergence::kTVD:
+      return T(0.5) * p * (sign_of(log_p - log_q) - center);
     default:
       return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q, exp) - center);
   }

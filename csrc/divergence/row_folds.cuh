@@ -100,31 +100,55 @@ __device__ KLState<acc_t> block_merge(KLState<acc_t> st) {
   return st;
 }
 
-// JSD's second pass: KL(q || M) and KL(p || M) per row, with the log-normalizers of pass 1.
-template <typename T, typename acc_t>
+// The second pass of the divergences that have one (has_second_pass): second_pass_terms' sums (a, b)
+// per row, with the log-normalizers of pass 1. The divergence is a template argument (kKind, div.kind's
+// value): with every case in one loop the float64 pass of float32 inputs spilled (104 bytes, sm_90a).
+template <typename T, typename acc_t, Divergence kKind>
 struct MixtureSums {
-  static constexpr acc_t kLowest = std::numeric_limits<acc_t>::lowest();
   DivergenceParams<acc_t> div;
   LogNormalizer<acc_t> norm_s, norm_t;
-  acc_t kl_q_m = 0, kl_p_m = 0;
+  acc_t sum_a = 0, sum_b = 0;
 
   template <int kN>
   __device__ __forceinline__ void chunk(const acc_t (&s)[kN], const acc_t (&t)[kN], int64_t) {
     const RowExp<T, acc_t> ex;
+    DivergenceParams<acc_t> d = div;
+    d.kind = kKind;  // a constant: second_pass_terms' tests fold away
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
-      const acc_t log_p = log_prob(s[k], norm_s), log_q = log_prob(t[k], norm_t);
-      const acc_t log_m = log_mixture(div, log_p, log_q, ex);
-      // 0 log 0 = 0 without a test: a -inf log-probability has the weight exp(-inf) = 0, and its
-      // difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite value,
-      // which 0 times leaves 0 (fmax returns the number when the other operand is NaN).
-      kl_q_m += ex(log_q) * fmax(log_q - log_m, kLowest);
-      kl_p_m += ex(log_p) * fmax(log_p - log_m, kLowest);
+      const SecondPassTerms<acc_t> terms = second_pass_terms(d, log_prob(s[k], norm_s), log_prob(t[k], norm_t), ex);
+      sum_a += terms.a;
+      sum_b += terms.b;
     }
   }
 };
 
-// The mixture pass's arithmetic type: float64 for float32 inputs. Its per-entry terms
+// Calls launch(std::integral_constant<Divergence, kind>{}): kernels whose per-entry math is the divergence's
+// compile one variant each (a run-time switch per entry costs registers and instructions).
+template <typename F>
+void with_divergence_kind(Divergence kind, F&& launch) {
+  switch (kind) {
+    case Divergence::kForwardKL: return launch(std::integral_constant<Divergence, Divergence::kForwardKL>{});
+    case Divergence::kReverseKL: return launch(std::integral_constant<Divergence, Divergence::kReverseKL>{});
+    case Divergence::kJSD: return launch(std::integral_constant<Divergence, Divergence::kJSD>{});
+    case Divergence::kSkewForwardKL: return launch(std::integral_constant<Divergence, Divergence::kSkewForwardKL>{});
+    case Divergence::kSkewReverseKL: return launch(std::integral_constant<Divergence, Divergence::kSkewReverseKL>{});
+    default: return launch(std::integral_constant<Divergence, Divergence::kTVD>{});
+  }
+}
+
+// with_divergence_kind for a divergence with a second pass.
+template <typename F>
+void with_second_pass_kind(Divergence kind, F&& launch) {
+  switch (kind) {
+    case Divergence::kSkewForwardKL: return launch(std::integral_constant<Divergence, Divergence::kSkewForwardKL>{});
+    case Divergence::kSkewReverseKL: return launch(std::integral_constant<Divergence, Divergence::kSkewReverseKL>{});
+    case Divergence::kTVD: return launch(std::integral_constant<Divergence, Divergence::kTVD>{});
+    default: return launch(std::integral_constant<Divergence, Divergence::kJSD>{});
+  }
+}
+
+// The second pass's arithmetic type: float64 for float32 inputs. JSD's per-entry terms
 // q (log q - log M) are differences of nearly equal numbers when p ~ q, and in float32 the CUDA
 // kernel's sums came out biased: JSD ~8e-9 per row came out as ~1e-9, where float64 arithmetic
 // from the same (float32) row statistics is exact to 1e-13 (docs/notes/logits.md). 16-bit inputs

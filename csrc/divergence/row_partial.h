@@ -89,7 +89,7 @@ struct RowFinish {
 };
 
 // Finishes a row merged over the whole vocabulary into its row statistics (`row`, kNumRowStats
-// columns) and returns its loss: the KL (JSD's comes from its mixture pass, finish_jsd_row) plus
+// columns) and returns its loss: the KL (a divergence with a second pass has its loss from finish_second_pass_row) plus
 // the CE add-on at `label`. A side with no entry above -inf is an undefined distribution, and a
 // label outside [0, vocab_size) an undefined cross-entropy: NaN (nonfinite.h), no device-side
 // assertion (eager calls raise in Python first).
@@ -112,13 +112,15 @@ NB_HOST_DEVICE T finish_row(const RowPartial<T>& st, const RowFinish& f, int64_t
   return value;
 }
 
-// JSD's loss from its mixture sums KL(q||M) and KL(p||M) over the whole vocabulary, with the CE
-// add-on of the row statistics finish_row wrote; KL(p||M) becomes the gradient's centre.
+// The loss of a divergence with a second pass (has_second_pass) from its sums (a, b) over the whole
+// vocabulary (second_pass_terms), with the CE add-on of the row statistics finish_row wrote; the
+// gradient's centre goes into the row statistics.
 template <typename T, typename M>
-NB_HOST_DEVICE T finish_jsd_row(M kl_q_m, M kl_p_m, const DivergenceParams<M>& div, const RowFinish& f,
-                                T label_logit, T* row) {
-  row[kGradCenter] = static_cast<T>(kl_p_m);
-  T value = static_cast<T>(div.beta * kl_q_m + div.one_minus_beta * kl_p_m);
+NB_HOST_DEVICE T finish_second_pass_row(M a, M b, const DivergenceParams<M>& div, const RowFinish& f, T label_logit,
+                                        T* row) {
+  const SecondPassRow<M> r = finish_second_pass(div, a, b);
+  row[kGradCenter] = static_cast<T>(r.center);
+  T value = static_cast<T>(r.loss);
   if (f.ce_weight != 0.0) {
     value -= T(f.ce_weight) * log_prob(label_logit, LogNormalizer<T>{row[kMaxCE], row[kLogSumCE]});
   }

@@ -2,8 +2,8 @@
 //
 // Pass 1 (KLPass, on either kernel family of the vocabulary walk) folds every logit tile into
 // per-row online states, one per vocabulary split; merge_rows_kernel merges the splits per row
-// into the loss and the row statistics. JSD runs a second pass (MixturePass) with the merged
-// log-normalizers, and merge_rows_kernel again adds its splits' sums into the loss.
+// into the loss and the row statistics. JSD, the skew KLs and TVD run a second pass (MixturePass) with the
+// merged log-normalizers, and merge_rows_kernel again adds its splits' sums into the loss.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -50,11 +50,11 @@ void launch_forward(const FusedLinearPasses& passes, const FusedLinearOperands& 
   at::Tensor partial = at::empty({splits, p.num_rows, kNumPartialFields}, options);
   at::Tensor label_logit = at::zeros({p.num_rows}, options);
   forward_pass1(passes, in, p, partial, label_logit, nullptr, loss.data_ptr<float>(), row_stats.data_ptr<float>());
-  if (p.kind != Divergence::kJSD) return;
+  if (!has_second_pass(p.kind)) return;
   at::Tensor mixture = at::empty({splits, p.num_rows, 2}, options);
   passes.mixture_pass(row_stats, mixture);
   const int row_blocks = static_cast<int>((p.num_rows + 255) / 256);
-  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_finish_jsd",
+  NITROBREW_DISPATCH_CUDA_FLOATS(in.xs.scalar_type(), "nitrobrew_finish_second_pass",
     const FusedLinearArgs<T> a = make_args<T>(in, p);
     merge_rows_kernel<float, float><<<row_blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
         merge_args(a, splits), a.div, partial.data_ptr<float>(), label_logit.data_ptr<float>(),
@@ -86,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> fused_linear_fwd_cuda(
 }
 
 // A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states [N, 11] (with
-// entropy, the student's entropy states too), or with row_stats (the whole vocabulary's) JSD's mixture
+// entropy, the student's entropy states too), or with row_stats (the whole vocabulary's) the second pass's
 // sums over this shard [N, 2] in float64.
 at::Tensor fused_linear_shard_cuda(
     const at::Tensor& xs, const at::Tensor& xt, const at::Tensor& ws, const at::Tensor& wt,
@@ -98,13 +98,13 @@ at::Tensor fused_linear_shard_cuda(
   DistillParams p = make_fused_linear_params(xs, xt, ws, wt, labels, bias_s, bias_t, ignore_index, divergence, beta,
                                              temperature, ce_weight, softcap_s, softcap_t, logit_scale_s, logit_scale_t,
                                              vocab_size, chunk_v);
-  p.entropy = entropy && !row_stats.has_value();  // the partials' pass only, not JSD's mixture pass
+  p.entropy = entropy && !row_stats.has_value();  // the partials' pass only, not the second pass
   TORCH_CHECK(xs.scalar_type() != at::kDouble, "float64 inputs are supported on the CPU only");
   if (row_stats.has_value()) {
     TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&
                     row_stats->device() == xs.device(),
                 "row_stats must be [N, ", int(kNumRowStats), "] on ", xs.device(), " as merge_shards returns it");
-    TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+    TORCH_CHECK(has_second_pass(p.kind), "row_stats are given only to a second pass (jsd, the skew KLs, tvd)");
   }
   const c10::cuda::CUDAGuard guard(xs.device());
   const FusedLinearOperands in = prepare_operands(xs, xt, ws, wt, labels, bias_s, bias_t);

@@ -7,7 +7,8 @@
 // (`finish`):
 //   KLPass      forward pass 1: one-pass KL state and the CE add-on's softmax state, per row
 //               and split, merged by the forward's merge kernel;
-//   MixturePass forward pass 2 of JSD: sums of q (log q - log M) and p (log p - log M);
+//   MixturePass forward pass 2 of the divergences that have one (JSD, the skew KLs, TVD): the sums of
+//               second_pass_terms (online_state.h);
 //   GradPass    backward: dLoss/dz of the tile, written to a [N x chunk] buffer.
 // A pass whose kStudentOnly is true sees the student's tile alone (as both arguments of tile):
 // the kernels then skip the teacher's product (topk_linear/passes.cuh).
@@ -290,7 +291,7 @@ struct MixturePass {
   };
   Params p;
   LogNormalizer<float> norm_s[2], norm_t[2];
-  float kl_q_m[2] = {0.f, 0.f}, kl_p_m[2] = {0.f, 0.f};
+  float sum_a[2] = {0.f, 0.f}, sum_b[2] = {0.f, 0.f};
 
   __device__ __forceinline__ MixturePass(const FusedLinearArgs<T>&, const FragmentRows& rows, const Params& params)
       : p(params) {
@@ -316,9 +317,9 @@ struct MixturePass {
           if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
           const float log_p = log_prob(scale_logit(zs.at(j, 2 * i + e), a.inv_temperature), norm_s[i]);
           const float log_q = log_prob(scale_logit(zt.at(j, 2 * i + e), a.inv_temperature), norm_t[i]);
-          const float log_m = log_mixture(a.div, log_p, log_q, PassExp<T>{});  // as the gradient pass
-          kl_q_m[i] += exp_(log_q) * (log_q - log_m);
-          kl_p_m[i] += exp_(log_p) * (log_p - log_m);
+          const SecondPassTerms<float> terms = second_pass_terms(a.div, log_p, log_q, PassExp<T>{});  // as the gradient pass
+          sum_a[i] += terms.a;
+          sum_b[i] += terms.b;
         }
       }
     }
@@ -328,13 +329,13 @@ struct MixturePass {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       for (int mask = 1; mask <= 2; mask <<= 1) {
-        kl_q_m[i] += shfl_xor(kl_q_m[i], mask);
-        kl_p_m[i] += shfl_xor(kl_p_m[i], mask);
+        sum_a[i] += shfl_xor(sum_a[i], mask);
+        sum_b[i] += shfl_xor(sum_b[i], mask);
       }
       if (rows.valid[i] && threadIdx.x % 4 == 0) {
         float* out = p.partial + (split * a.n_rows + rows.row[i]) * 2;
-        out[0] = kl_q_m[i];
-        out[1] = kl_p_m[i];
+        out[0] = sum_a[i];
+        out[1] = sum_b[i];
       }
     }
   }
@@ -351,6 +352,10 @@ template <typename T>
 struct GradPass {
   using Args = FusedLinearArgs<T>;
   static constexpr bool kStudentOnly = false;
+  // 16-bit inputs on the sm_80 kernel: 4 blocks of 128 threads a SM (<= 128 registers), as the forward-KL,
+  // reverse-KL and JSD folds compiled to alone. The skew KLs' folds (an exponential more per entry) took the
+  // kernel to 151-158 registers, 3 blocks a SM, for every divergence.
+  static constexpr int kMinBlocksPerSM = sizeof(T) == 2 ? 4 : 1;
   struct Params {
     const float* row_stats;  // [N, kNumRowStats] from the forward
     GradChunk<T> chunk;
@@ -376,7 +381,10 @@ struct GradPass {
     switch (a.div.kind) {
       case Divergence::kForwardKL: return fold<Divergence::kForwardKL, true, kCE>(a, rows, v0, zs, zt);
       case Divergence::kReverseKL: return fold<Divergence::kReverseKL, true, kCE>(a, rows, v0, zs, zt);
-      default: return fold<Divergence::kJSD, true, kCE>(a, rows, v0, zs, zt);
+      case Divergence::kJSD: return fold<Divergence::kJSD, true, kCE>(a, rows, v0, zs, zt);
+      case Divergence::kSkewForwardKL: return fold<Divergence::kSkewForwardKL, true, kCE>(a, rows, v0, zs, zt);
+      case Divergence::kSkewReverseKL: return fold<Divergence::kSkewReverseKL, true, kCE>(a, rows, v0, zs, zt);
+      default: return fold<Divergence::kTVD, true, kCE>(a, rows, v0, zs, zt);
     }
   }
 

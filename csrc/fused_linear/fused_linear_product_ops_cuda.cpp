@@ -64,7 +64,7 @@ at::Tensor product_partials_cuda(const at::Tensor& zs, const at::Tensor& zt, con
   at::Tensor labels_c;
   ProductRowsLaunch l = rows_launch(zs, zt, labels, bias_s, bias_t, dtype, labels_c);
   if (row_stats.has_value()) {  // JSD's mixture sums from the whole vocabulary's statistics
-    TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+    TORCH_CHECK(has_second_pass(p.kind), "row_stats are given only to a second pass (jsd, the skew KLs, tvd)");
     check_row_stats(*row_stats, p, zs);
     const at::Tensor stats = row_stats->to(at::kFloat).contiguous();
     l.row_stats = stats.data_ptr<float>();

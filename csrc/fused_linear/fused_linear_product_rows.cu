@@ -3,11 +3,12 @@
 // block of its own, in three launches over the chunk:
 //   partials   each block folds its slice into an unfinished row state (KL, cross-entropy, label logit);
 //              merge_rows_kernel merges a row's slices in order and finishes its statistics and loss;
-//   (JSD)      the mixture sums of each slice from those statistics, merged into the loss the same way;
+//   (2nd pass) JSD's, the skew KLs' and TVD's sums of each slice from those statistics, merged into the
+//              loss the same way;
 //   grads      dLoss/dz of each slice from the row's statistics, written in the inputs' dtype, scaled by
 //              the reduction's weight (the training path's backward only scales it by the upstream
 //              gradient).
-// The products are read twice (three times for JSD), at the rate of a copy: a block per row, or a
+// The products are read twice (three times with a second pass), at the rate of a copy: a block per row, or a
 // cluster of blocks that merged on chip, kept too few bytes in flight or waited on each other
 // (docs/notes/fused_linear_training_path.md). The math is the recompute path's (online_state.h,
 // row_partial.h, row_folds.cuh, merge_rows.cuh); only where the logits come from differs.
@@ -47,7 +48,7 @@ struct ProductRowArgs {
   DivergenceParams<mix_t> div_mix;
   const float* row_scale;
   float* partial;          // [slices, rows, kNumPartialFields]
-  mix_t* mixture;          // [slices, rows, 2] (JSD)
+  mix_t* mixture;          // [slices, rows, 2] (the second pass's sums)
   const float* row_stats;  // [rows, kNumRowStats], finished by merge_rows_kernel
   T* grad;
   int64_t ld_grad;
@@ -87,11 +88,11 @@ struct PartialFold {
   __device__ RowPartial<float> state() const { return {kl.st, ce.st, ce.label_logit, ent.st}; }
 };
 
-// JSD's mixture pass of one thread, in the mixture's arithmetic type (float64 for float32 inputs).
-template <typename T>
+// The second pass of one thread (JSD, the skew KLs, TVD), in its arithmetic type (float64 for float32 inputs).
+template <typename T, Divergence kKind>
 struct MixtureFold {
   using mix_t = MixtureType<T, float>;
-  MixtureSums<T, mix_t> sums;
+  MixtureSums<T, mix_t, kKind> sums;
   float inv_t;
 
   template <int kN>
@@ -108,7 +109,7 @@ struct MixtureFold {
 
 // Pass 2 of one thread: dLoss/dz = scale * softcap'(y) * (dLoss/ds / tau + ce_weight * (p1 - [label])),
 // with p1 the temperature-1 softmax of the cross-entropy add-on (docs/design.md, section 5).
-template <typename T, bool kPlain>
+template <typename T, bool kPlain, Divergence kKind>
 struct GradFold {
   DivergenceParams<float> div;
   LogNormalizer<float> norm_s, norm_t, norm_ce;
@@ -124,8 +125,8 @@ struct GradFold {
     for (int k = 0; k < kN; ++k) {
       const float s = scale_logit(ys[k], inv_t), t = scale_logit(yt[k], inv_t);
       // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never the
-      // 0 * inf of the reverse-KL and JSD formulas.
-      const bool zero = div.kind != Divergence::kForwardKL && s == kNegInf<float>;
+      // 0 * inf of the other divergences' formulas.
+      const bool zero = kKind != Divergence::kForwardKL && s == kNegInf<float>;
       float d = zero ? 0.f
                      : divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, ex) * inv_t;
       if (ce_weight != 0.f) d += ce_weight * (ex(log_prob(ys[k], norm_ce)) - (v0 + k == label ? 1.f : 0.f));
@@ -149,34 +150,36 @@ __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) ro
   if (threadIdx.x == 0) store_partial(part, a.partial + (r.slice * a.rows + r.row) * kNumPartialFields);
 }
 
-// JSD: a slice's mixture sums from the row's log-normalizers.
-template <typename T, bool kPlain>
+// A divergence with a second pass: a slice's sums from the row's log-normalizers.
+template <typename T, bool kPlain, Divergence kKind>
 __global__ void __launch_bounds__(kProductRowThreads) row_mixture_kernel(const ProductRowArgs<T> a) {
   using mix_t = MixtureType<T, float>;
   const RowSlice r = a.slice();
   if (a.masked(r.row)) return;
   const float* stats = a.row_stats + r.row * kNumRowStats;
-  MixtureFold<T> mix{{a.div_mix, {mix_t(stats[kMaxS]), mix_t(stats[kLogSumS])},
+  MixtureFold<T, kKind> mix{{a.div_mix, {mix_t(stats[kMaxS]), mix_t(stats[kLogSumS])},
                       {mix_t(stats[kMaxT]), mix_t(stats[kLogSumT])}},
                      a.inv_t};
   for_each_product_chunk<true, kPlain>(a.source(r), r.begin, r.size(), mix);
-  block_sum2(mix.sums.kl_q_m, mix.sums.kl_p_m);
+  block_sum2(mix.sums.sum_a, mix.sums.sum_b);
   if (threadIdx.x == 0) {
     mix_t* out = a.mixture + 2 * (r.slice * a.rows + r.row);
-    out[0] = mix.sums.kl_q_m;
-    out[1] = mix.sums.kl_p_m;
+    out[0] = mix.sums.sum_a;
+    out[1] = mix.sums.sum_b;
   }
 }
 
 // dLoss/dz of a slice: 0 for masked rows, NaN throughout for undefined ones (docs/design.md, section 7).
-template <typename T, bool kPlain>
+template <typename T, bool kPlain, Divergence kKind>
 __global__ void __launch_bounds__(kProductRowThreads, kProductRowBlocksPerSM) row_grads_kernel(const ProductRowArgs<T> a) {
   const RowSlice r = a.slice();
   T* row = a.grad + r.row * a.ld_grad;
   if (a.masked(r.row)) return fill_slice(row, r, from_acc<T>(0.f));
   const float* stats = a.row_stats + r.row * kNumRowStats;
   if (stats[kMaxS] != stats[kMaxS] || stats[kMaxT] != stats[kMaxT]) return fill_slice(row, r, from_acc<T>(kNaN<float>));
-  GradFold<T, kPlain> grad{a.div,
+  DivergenceParams<float> div = a.div;
+  div.kind = kKind;  // a constant: divergence_grad's switch folds away
+  GradFold<T, kPlain, kKind> grad{div,
                    {stats[kMaxS], stats[kLogSumS]},
                    {stats[kMaxT], stats[kLogSumT]},
                    {stats[kMaxCE], stats[kLogSumCE]},
@@ -251,7 +254,10 @@ void launch_partials(const ProductRowArgs<T>& a, const DistillParams& p, cudaStr
 template <typename T>
 void launch_mixture(const ProductRowArgs<T>& a, cudaStream_t stream) {
   with_plain(a, [&](auto plain) {
-    row_mixture_kernel<T, decltype(plain)::value><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+    with_second_pass_kind(a.div.kind, [&](auto kind) {
+      row_mixture_kernel<T, decltype(plain)::value, decltype(kind)::value>
+          <<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -259,7 +265,10 @@ void launch_mixture(const ProductRowArgs<T>& a, cudaStream_t stream) {
 template <typename T>
 void launch_grads(const ProductRowArgs<T>& a, cudaStream_t stream) {
   with_plain(a, [&](auto plain) {
-    row_grads_kernel<T, decltype(plain)::value><<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+    with_divergence_kind(a.div.kind, [&](auto kind) {
+      row_grads_kernel<T, decltype(plain)::value, decltype(kind)::value>
+          <<<row_grid(a), kProductRowThreads, 0, stream>>>(a);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -273,7 +282,7 @@ at::Tensor mixture_buffer(ProductRowArgs<T>& a, const at::TensorOptions& options
   return mixture;
 }
 
-// The single-device step: partials, their merge into the finished rows, (JSD) the mixture and its merge,
+// The single-device step: partials, their merge into the finished rows, (2nd pass) its sums and their merge,
 // then the gradients.
 template <typename T>
 void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss, float* entropy) {
@@ -284,8 +293,8 @@ void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss, floa
   // Masked rows' statistics stay as allocated: zeros where their entropy is read.
   const at::Tensor row_stats = entropy != nullptr ? at::zeros({a.rows, kNumRowStats}, options.dtype(at::kFloat))
                                                   : at::empty({a.rows, kNumRowStats}, options.dtype(at::kFloat));
-  const bool jsd = p.kind == Divergence::kJSD;
-  const at::Tensor mixture = jsd ? mixture_buffer(a, options) : at::Tensor();
+  const bool second_pass = has_second_pass(p.kind);
+  const at::Tensor mixture = second_pass ? mixture_buffer(a, options) : at::Tensor();
   a.partial = partial.data_ptr<float>();
   a.row_stats = row_stats.data_ptr<float>();
   const MergeRowsArgs merge = merge_args(a.rows, a.slices, a.labels, p);
@@ -294,7 +303,7 @@ void launch_rows(ProductRowArgs<T>& a, const DistillParams& p, float* loss, floa
   merge_rows_kernel<float, mix_t><<<merge_blocks(a.rows), 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr,
                                                                             nullptr, nullptr, loss, stats);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (jsd) {
+  if (second_pass) {
     launch_mixture(a, stream);
     merge_rows_kernel<float, mix_t><<<merge_blocks(a.rows), 256, 0, stream>>>(merge, a.div_mix, a.partial, nullptr,
                                                                               a.mixture, nullptr, loss, stats);

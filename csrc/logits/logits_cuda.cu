@@ -1,9 +1,9 @@
-// CUDA kernels of the logit-level losses (nitrobrew.logits: forward KL, reverse KL, JSD from
-// logits the caller holds). Memory-bound: one block per row streams the row's logits once per
+// CUDA kernels of the logit-level losses (nitrobrew.logits: forward KL, reverse KL, JSD, the skew KLs
+// and TVD from logits the caller holds). Memory-bound: one block per row streams the row's logits once per
 // pass, in 16-byte loads where the rows allow it, and keeps the same per-row state as the
 // fused-linear kernels (online_state.h):
-//   forward:  KL pass (one-pass KL state -> loss and the row statistics), then for JSD the
-//             mixture pass (sums of q (log q - log M) and p (log p - log M));
+//   forward:  KL pass (one-pass KL state -> loss and the row statistics), then for the divergences
+//             with a second pass the mixture pass (second_pass_terms' sums, online_state.h);
 //   backward: dLoss/dzs from the saved statistics, written in the logits' dtype.
 // Non-finite entries follow nonfinite.h, as on the CPU: -inf (masked vocabulary) contributes 0; a
 // NaN or +inf makes the row's loss and gradient NaN (the running maxima keep a NaN), and so does a
@@ -74,7 +74,7 @@ struct RowArgs {
   acc_t* stats;  // [N, kNumRowStats]
   // A vocabulary shard's forward (logits_shard) writes these instead of loss and stats:
   acc_t* partial;   // [N, kNumPartialFields]: pass 1's unfinished states
-  double* mixture;  // [N, 2]: JSD's mixture sums
+  double* mixture;  // [N, 2]: a shard's second-pass sums
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
 };
 
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kRowThreads) kl_pass_kernel(Rows<T> zs, Rows<T
   stats[kEntropyS] = acc_t(0);  // the fused-linear forwards' alone, where asked for
 }
 
-template <typename T, typename acc_t>
+template <typename T, typename acc_t, Divergence kKind>
 __global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a) {
   using mix_t = MixtureType<T, acc_t>;
   const int64_t n = blockIdx.x;
@@ -126,22 +126,23 @@ __global__ void __launch_bounds__(kRowThreads) mixture_pass_kernel(Rows<T> zs, R
   } else {
     div = a.div64;
   }
-  MixtureSums<T, mix_t> sums{div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]}};
+  MixtureSums<T, mix_t, kKind> sums{div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]}};
   for_each_chunk<16 / sizeof(T), T, mix_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized,
                                            a.inv_t, sums);  // logits scaled (rounded) as in the other passes
-  block_sum2(sums.kl_q_m, sums.kl_p_m);
+  block_sum2(sums.sum_a, sums.sum_b);
   if (threadIdx.x != 0) return;
   if (a.mixture != nullptr) {  // a shard: its sums, added over the shards by merge_shards
-    a.mixture[2 * n] = sums.kl_q_m;
-    a.mixture[2 * n + 1] = sums.kl_p_m;
+    a.mixture[2 * n] = sums.sum_a;
+    a.mixture[2 * n + 1] = sums.sum_b;
     return;
   }
-  a.loss[n] = static_cast<acc_t>(div.beta * sums.kl_q_m + div.one_minus_beta * sums.kl_p_m);
-  stats[kGradCenter] = static_cast<acc_t>(sums.kl_p_m);
+  const SecondPassRow<mix_t> row = finish_second_pass(div, sums.sum_a, sums.sum_b);
+  a.loss[n] = static_cast<acc_t>(row.loss);
+  stats[kGradCenter] = static_cast<acc_t>(row.center);
 }
 
-// dLoss/dzs of a chunk, stored in the logits' dtype.
-template <typename T, typename acc_t>
+// dLoss/dzs of a chunk, stored in the logits' dtype; kKind is div.kind.
+template <typename T, typename acc_t, Divergence kKind>
 struct GradWriter {
   DivergenceParams<acc_t> div;
   LogNormalizer<acc_t> norm_s, norm_t;
@@ -154,8 +155,8 @@ struct GradWriter {
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       // A student entry of -inf has probability 0: its gradient is -q (forward KL) or 0, never
-      // the 0 * inf that the reverse-KL and JSD formulas would form.
-      const bool zero = div.kind != Divergence::kForwardKL && s[k] == kNegInf<acc_t>;
+      // the 0 * inf that the other divergences' formulas would form.
+      const bool zero = kKind != Divergence::kForwardKL && s[k] == kNegInf<acc_t>;
       const acc_t d = zero ? acc_t(0)
                            : divergence_grad(div, s[k], t[k], log_prob(s[k], norm_s), log_prob(t[k], norm_t), center,
                                              RowExp<T, acc_t>{});
@@ -170,7 +171,7 @@ struct GradWriter {
   }
 };
 
-template <typename T, typename acc_t>
+template <typename T, typename acc_t, Divergence kKind>
 __global__ void __launch_bounds__(kRowThreads)
     grad_kernel(Rows<T> zs, Rows<T> zt, RowArgs<acc_t> a, const acc_t* grad_loss, T* dzs) {
   const int64_t n = blockIdx.x;
@@ -184,8 +185,10 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(kNaN<acc_t>);
     return;
   }
-  GradWriter<T, acc_t> w{a.div,           {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]},
-                         stats[kGradCenter], grad_loss[n] * a.inv_t, out};
+  DivergenceParams<acc_t> div = a.div;
+  div.kind = kKind;  // a constant: divergence_grad's switch folds away
+  GradWriter<T, acc_t, kKind> w{div, {stats[kMaxS], stats[kLogSumS]}, {stats[kMaxT], stats[kLogSumT]},
+                                stats[kGradCenter], grad_loss[n] * a.inv_t, out};
   for_each_chunk<16 / sizeof(T), T, acc_t>(zs.row(n), zt.row(n), zs.stride, zt.stride, a.vocab, a.vectorized, a.inv_t, w);
 }
 
@@ -247,8 +250,11 @@ std::tuple<at::Tensor, at::Tensor> logits_fwd_cuda(const at::Tensor& zs_in, cons
       const auto kl_pass = p.kind == Divergence::kReverseKL ? kl_pass_kernel<T, acc_t, true> : kl_pass_kernel<T, acc_t, false>;
       kl_pass<<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (p.kind == Divergence::kJSD) {
-        mixture_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+      if (has_second_pass(p.kind)) {
+        with_second_pass_kind(p.kind, [&](auto kind) {
+          mixture_pass_kernel<T, acc_t, decltype(kind)::value>
+              <<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+        });
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     }
@@ -258,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor> logits_fwd_cuda(const at::Tensor& zs_in, cons
 }
 
 // A vocabulary shard's forward (nitrobrew.distributed): pass 1's unfinished row states, or with
-// row_stats (the whole vocabulary's log-normalizers) JSD's mixture sums over this shard.
+// row_stats (the whole vocabulary's log-normalizers) the second pass's sums over this shard.
 at::Tensor logits_shard_cuda(const at::Tensor& zs, const at::Tensor& zt, const c10::optional<at::Tensor>& labels_in,
                                  const c10::optional<at::Tensor>& row_stats, int64_t ignore_index,
                                  c10::string_view divergence, double beta, double temperature) {
@@ -269,7 +275,7 @@ at::Tensor logits_shard_cuda(const at::Tensor& zs, const at::Tensor& zt, const c
     TORCH_CHECK(row_stats->dim() == 2 && row_stats->size(0) == p.num_rows && row_stats->size(1) == kNumRowStats &&
                     row_stats->device() == zs.device(),
                 "row_stats must be [N, ", int(kNumRowStats), "] on ", zs.device(), " as merge_shards returns it");
-    TORCH_CHECK(p.kind == Divergence::kJSD, "row_stats are given only to JSD's second pass");
+    TORCH_CHECK(has_second_pass(p.kind), "row_stats are given only to a second pass (jsd, the skew KLs, tvd)");
   }
   const c10::optional<at::Tensor> labels =
       labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
@@ -289,7 +295,10 @@ at::Tensor logits_shard_cuda(const at::Tensor& zs, const at::Tensor& zt, const c
     const unsigned grid = static_cast<unsigned>(p.num_rows);
     if (mixture) {
       a.mixture = out.data_ptr<double>();
-      mixture_pass_kernel<T, acc_t><<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+      with_second_pass_kind(p.kind, [&](auto kind) {
+        mixture_pass_kernel<T, acc_t, decltype(kind)::value>
+            <<<grid, kRowThreads, 0, stream>>>(rows_of<T>(zs), rows_of<T>(zt), a);
+      });
     } else {
       a.partial = out.data_ptr<acc_t>();
       const auto kl_pass = p.kind == Divergence::kReverseKL ? kl_pass_kernel<T, acc_t, true> : kl_pass_kernel<T, acc_t, false>;
@@ -324,8 +333,11 @@ at::Tensor logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs_in,
     const at::Tensor g = grad_loss.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
     RowArgs<acc_t> a = row_args<acc_t>(zs, zt, labels, p, nullptr, const_cast<acc_t*>(stats.data_ptr<acc_t>()));
     a.vectorized = a.vectorized && rows_vectorizable(dzs);
-    grad_kernel<T, acc_t><<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        rows_of<T>(zs), rows_of<T>(zt), a, g.data_ptr<acc_t>(), reinterpret_cast<T*>(dzs.data_ptr()));
+    with_divergence_kind(p.kind, [&](auto kind) {
+      grad_kernel<T, acc_t, decltype(kind)::value>
+          <<<static_cast<unsigned>(p.num_rows), kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              rows_of<T>(zs), rows_of<T>(zt), a, g.data_ptr<acc_t>(), reinterpret_cast<T*>(dzs.data_ptr()));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return dzs;

@@ -15,9 +15,15 @@ from nitrobrew import reference
 # Uneven shards of a vocabulary of V = 37 rows (ws / wt padded to ROWS with vocab_size < ROWS).
 V = 37
 SHARDS = {1: [V], 2: [20, 17], 3: [12, 1, 24], 4: [10, 13, 5, 9]}
-LOSSES = {"forward_kl": nitrobrew.forward_kl, "reverse_kl": nitrobrew.reverse_kl, "jsd": nitrobrew.jsd}
-LOGIT_LOSSES = {"forward_kl": nitrobrew.logits.forward_kl, "reverse_kl": nitrobrew.logits.reverse_kl,
-                "jsd": nitrobrew.logits.jsd}
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")
+LOSSES = {name: getattr(nitrobrew, name) for name in DIVERGENCES}
+LOGIT_LOSSES = {name: getattr(nitrobrew.logits, name) for name in DIVERGENCES}
+
+
+def _reference_options(divergence: str, options: dict) -> dict:
+    """The reference's options for a case: its weight (beta, or alpha) as `beta`, and the divergence's name."""
+    weight = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta", options.get("alpha", 0.0)))
+    return dict({k: v for k, v in options.items() if k not in ("beta", "alpha")}, beta=weight, divergence=divergence)
 
 # (divergence, options) of the fused-linear cases: every divergence, with and without each option.
 FUSED_LINEAR_CASES = [
@@ -37,6 +43,10 @@ FUSED_LINEAR_CASES = [
     ("forward_kl", {"vocab_size": V - 8, "labels": True, "ce_weight": 0.3}),
     ("jsd", {"beta": 0.5, "vocab_size": V - 9, "bias": True}),
     ("reverse_kl", {"vocab_size": V - 12, "temperature": 0.7}),
+    # the second-pass divergences beyond JSD
+    ("skew_forward_kl", {"alpha": 0.2, "labels": True, "ce_weight": 0.5}),
+    ("skew_reverse_kl", {"alpha": 0.6, "bias": True, "vocab_size": V - 9, "reduction": "sum"}),
+    ("tvd", {"softcap_s": 3.0, "temperature": 1.5, "labels": True, "reduction": "none"}),
 ]
 
 
@@ -141,12 +151,11 @@ def fused_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool |
             if bias_s is not None:
                 _close(shard[1][2], whole[1][2][rows], gtol, f"{what}: bias_s.grad")
             if dtype == torch.float64:  # and the materializing reference, by autograd
-                beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
-                ref_options = {k: v for k, v in options.items() if k != "beta"}
+                ref_options = _reference_options(divergence, options)
                 leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
                 if bias_s is not None:
                     leaves.append(bias_s.clone().requires_grad_())
-                ref = reference.fused_linear(leaves[0], xt, leaves[1], wt, beta=beta, labels=labels,
+                ref = reference.fused_linear(leaves[0], xt, leaves[1], wt, labels=labels,
                                              bias_s=leaves[2] if bias_s is not None else None, bias_t=bias_t,
                                              **ref_options)
                 ref_grads = torch.autograd.grad(ref, leaves, upstream)
@@ -182,8 +191,10 @@ def _check_16bit_against_reference(shard, divergence, xs, xt, ws, wt, bias_s, bi
         dist.all_reduce(rows_of_whole)
         return rows_of_whole.to(grad.dtype)
 
-    beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
-    ref_options = dict({k: v for k, v in options.items() if k != "beta"}, beta=beta, labels=labels)
+    ref_options = _reference_options(divergence, options)
+    name = ref_options.pop("divergence")  # reference_values_and_grads takes the tests' (name, weight) pairs
+    ref_options.update(beta=ref_options["beta"] if name in ("forward_kl", "reverse_kl", "jsd") else
+                       (name, ref_options["beta"]), labels=labels)
     oracle = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float64, bias_s=bias_s, bias_t=bias_t,
                                         **ref_options)
     same = reference_values_and_grads(xs, xt, ws, wt, upstream, dtype=torch.float32, bias_s=bias_s, bias_t=bias_t,
@@ -202,7 +213,10 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
     cols = _shard_rows(rank, world)
     for divergence, options in [("forward_kl", {}), ("reverse_kl", {"temperature": 0.5}),
                                 ("jsd", {"beta": 0.3, "labels": True, "reduction": "none"}),
-                                ("jsd", {"beta": 0.8, "masked_vocab": True}), ("forward_kl", {"masked_vocab": True})]:
+                                ("jsd", {"beta": 0.8, "masked_vocab": True}), ("forward_kl", {"masked_vocab": True}),
+                                ("skew_forward_kl", {"alpha": 0.3, "masked_vocab": True}),
+                                ("skew_reverse_kl", {"alpha": 0.1, "labels": True, "reduction": "none"}),
+                                ("tvd", {"masked_vocab": True, "temperature": 2.0})]:
         options = dict(options)
         g = torch.Generator().manual_seed(1)
         zs = (torch.randn(19, V, generator=g, dtype=torch.float64) * 3).to(device=device, dtype=dtype)
@@ -227,10 +241,8 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
             _close(shard, whole, rtol, f"{what}: loss")
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
             if dtype == torch.float64:  # and the materializing reference, by autograd
-                beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, options.get("beta"))
                 leaf = zs.clone().requires_grad_()
-                ref = reference.logits(leaf, zt, beta=beta, labels=labels,
-                                       **{k: v for k, v in options.items() if k != "beta"})
+                ref = reference.logits(leaf, zt, labels=labels, **_reference_options(divergence, options))
                 _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
                 _close(d_shard, torch.autograd.grad(ref, leaf, upstream)[0][:, cols], 1e-10,
                        f"{what}: zs.grad vs reference")

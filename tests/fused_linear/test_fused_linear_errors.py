@@ -102,7 +102,7 @@ def test_op_checks_its_inputs_when_called_directly(problem):
             torch.ones(6), xs, xt, ws, wt, None, None, None, torch.zeros(6, 5), -100, "forward_kl", 0.0, 1.0, 0.0, None,
             None, 1.0, 1.0, 50, 0, True, True, True,
         )
-    with pytest.raises(RuntimeError, match="divergence must be 'forward_kl', 'reverse_kl' or 'jsd', got 'kl'"):
+    with pytest.raises(RuntimeError, match="divergence must be 'forward_kl', 'reverse_kl', 'jsd', 'skew_forward_kl', 'skew_reverse_kl' or 'tvd', got 'kl'"):
         torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "kl", 0.0, 1.0, 0.0, None, None,
                                              1.0, 1.0, 50, 0)
     with pytest.raises(RuntimeError, match=r"bias_s must be \[V\] with one entry per row of ws \(50\)"):

@@ -61,6 +61,24 @@ def test_every_kernel_once(grad_in_forward):
 
 
 @PATHS
+def test_second_pass_divergences_once(grad_in_forward):
+    # The skew KLs and TVD: their second pass's and gradient folds (the vocabulary walk's on both kernel families,
+    # the training path's row kernels, each compiled per divergence), with and without the CE add-on.
+    for dtype, (n, v, d_s, d_t) in [(torch.bfloat16, (400, 1500, 330, 620)), (torch.bfloat16, (5, 131, 13, 7)),
+                                    (torch.float32, (70, 200, 24, 40))]:
+        xs, xt, ws, wt, labels = _problem(n, v, d_s, d_t, dtype)
+        for name, weight, ce_weight in [("skew_forward_kl", {"alpha": 0.1}, 0.5), ("skew_reverse_kl", {"alpha": 0.5}, 0.0),
+                                        ("tvd", {}, 0.5)]:
+            loss = getattr(nitrobrew, name)(xs, xt, ws, wt, **weight, labels=labels, ce_weight=ce_weight,
+                                            softcap_s=20.0, vocab_size=v, temperature=2.0,
+                                            grad_in_forward=grad_in_forward, grad_chunk_mib=1)
+            loss.backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+            xs.grad = ws.grad = None
+
+
+@PATHS
 def test_entropy_once(grad_in_forward):
     # return_entropy: the general fold of every tile (quad merges of the entropy state; sm_90a's and sm_80's KL
     # pass) and the training path's partials variant that folds it; both divergence directions.

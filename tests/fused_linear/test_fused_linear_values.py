@@ -8,10 +8,11 @@ import torch
 import nitrobrew
 from nitrobrew import reference
 
-from helpers import check_against_reference, make_biases, make_problem, nitrobrew_loss
+from helpers import NEW_DIVERGENCES, check_against_reference, make_biases, make_problem, nitrobrew_loss
 from randomized import loss_floor
 
-BETAS = [0.0, 1.0, 0.5]  # forward KL, reverse KL, JSD
+KLS_AND_JSD = [0.0, 1.0, 0.5]  # forward KL, reverse KL, JSD
+BETAS = KLS_AND_JSD + NEW_DIVERGENCES  # and the skew KLs and TVD, (name, weight) pairs (helpers.py)
 
 
 # Each reduction on each path: "none" runs the recompute path only (grad_in_forward False); "sum" and
@@ -24,9 +25,14 @@ def training_path(reduction):
     return None if reduction == "none" else True
 
 
+# Every combination for the KLs and JSD; for the other divergences, whose kernels are the same but for their
+# per-entry terms, each path with options off, all on, and two mixes.
 @pytest.mark.parametrize(
     "beta,path,masked,ce_weight,softcap,padded",
-    list(itertools.product(BETAS, PATHS, [False, True], [0.0, 0.5], [False, True], [False, True])),
+    list(itertools.product(KLS_AND_JSD, PATHS, [False, True], [0.0, 0.5], [False, True], [False, True]))
+    + [(beta, path, *options) for beta, path, options in itertools.product(
+        NEW_DIVERGENCES, PATHS, [(False, 0.0, False, False), (True, 0.5, True, True), (True, 0.0, False, True),
+                                 (False, 0.5, True, False)])],
 )
 def test_every_option(device, beta, path, masked, ce_weight, softcap, padded):
     # V = 1000 over tiles of 96: neither N = 37 nor V divides a tile. On the training path a 1 MiB

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 V = 96
 BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.4}
+NEW_LOSSES = ["skew_forward_kl", "skew_reverse_kl", "tvd"]
 
 
 def tiny(family: str, *, hidden: int, vocab: int = V, seed: int = 0, **extra):
@@ -54,7 +55,7 @@ def batch(b=3, t=11, seed=1):
 
 
 def reference_loss(student, teacher, input_ids, *, attention_mask=None, labels=None, loss="forward_kl", beta=0.5,
-                   temperature=1.0, reduction="mean", ce_weight=0.0, vocab_size=None, ignore_index=-100):
+                   alpha=0.1, temperature=1.0, reduction="mean", ce_weight=0.0, vocab_size=None, ignore_index=-100):
     """The loss from the models' own logits (materialized), in float64, with the causal shift."""
     zs = student(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double()
     with torch.no_grad():
@@ -67,9 +68,9 @@ def reference_loss(student, teacher, input_ids, *, attention_mask=None, labels=N
         targets = torch.where(attention_mask[:, 1:] != 0, input_ids[:, 1:], ignore_index)
     else:
         targets = input_ids[:, 1:]
-    b = beta if loss == "jsd" else BETAS[loss]
-    rows = reference.logits(zs, zt, beta=b, temperature=temperature, reduction="none", labels=targets,
-                            ignore_index=ignore_index, dtype=None)
+    b = beta if loss == "jsd" else alpha if loss.startswith("skew_") else BETAS.get(loss, 0.0)
+    rows = reference.logits(zs, zt, beta=b, divergence=loss, temperature=temperature, reduction="none",
+                            labels=targets, ignore_index=ignore_index, dtype=None)
     if ce_weight:
         ce = F.cross_entropy(zs.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="none")
         rows = rows + ce_weight * ce.view_as(rows)
@@ -104,6 +105,17 @@ def test_equals_the_loss_from_the_models_own_logits(family, loss):
     student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
     input_ids, attention_mask = batch()
     options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5)
+    ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
+    theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("loss", NEW_LOSSES)
+def test_skew_kls_and_tvd_equal_the_loss_from_the_models_own_logits(family, loss):
+    student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
+    input_ids, attention_mask = batch()
+    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5, alpha=0.3)
     ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
     theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
     assert_same(ours, theirs)
@@ -293,8 +305,8 @@ def test_trl_gkd_trainer_gives_trl_s_loss():
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
     for beta in (0.0, 0.3, 1.0):
         for items in (None, torch.tensor(40)):
-            state = types.SimpleNamespace(teacher_model=teacher, beta=beta,
-                                          accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+            state = types.SimpleNamespace(teacher_model=teacher, beta=beta, nitrobrew_divergence="jsd",
+                                          nitrobrew_alpha=0.1, accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
                                           generalized_jsd_loss=TRLGKDTrainer.generalized_jsd_loss)
             ours = values_and_grads(lambda: GKDTrainer.compute_loss(state, student, inputs,
                                                                     num_items_in_batch=items), student)
@@ -321,6 +333,7 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature, families):
     inputs = dict(prompt_ids=input_ids[:, :4], prompt_mask=attention_mask[:, :4], completion_ids=input_ids[:, 4:],
                   completion_mask=attention_mask[:, 4:])
     state = types.SimpleNamespace(teacher_model=teacher, beta=beta, temperature=temperature, model_kwarg_keys=(),
+                                  nitrobrew_divergence="jsd", nitrobrew_alpha=0.1,
                                   _is_vlm=False, accelerator=types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True),
                                   _forward_redirection=lambda wrapped, unwrapped, fn, *args, **kw: fn(*args, **kw))
     state._get_last_hidden_state = types.MethodType(TRLDistillationTrainer._get_last_hidden_state, state)
@@ -337,6 +350,42 @@ def test_trl_distillation_trainer_gives_trl_s_loss(beta, temperature, families):
             _, their_entropy, their_count = TRLDistillationTrainer._compute_loss(state, student, inputs, None)
         assert torch.isfinite(our_entropy) and int(our_count) == int(their_count)
         torch.testing.assert_close(our_entropy.double(), their_entropy.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("divergence", ["skew_forward_kl", "skew_reverse_kl", "tvd", "reverse_kl"])
+def test_trl_divergence_loss_takes_nitrobrew_s_divergences(divergence):
+    # nitrobrew.trl's DistillationTrainer(divergence=...) swaps TRL's chunked loss for this function: its loss
+    # over the completion mask, against the reference from materialized logits, with TRL's (loss, entropy, count).
+    pytest.importorskip("trl")
+    from nitrobrew.trl import _divergence_loss
+
+    g = torch.Generator().manual_seed(5)
+    hs, ht = torch.randn(2, 6, 16, generator=g, dtype=torch.float64), torch.randn(2, 6, 24, generator=g,
+                                                                                   dtype=torch.float64)
+    ws, wt = torch.randn(50, 16, generator=g, dtype=torch.float64), torch.randn(50, 24, generator=g,
+                                                                                  dtype=torch.float64)
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    mask[1, 4:] = 0
+    hs.requires_grad_()
+    loss, entropy, count = _divergence_loss(hs, ht, ws, wt, mask, 0.5, temperature=2.0, divergence=divergence,
+                                            alpha=0.3)
+    labels = torch.where(mask != 0, 0, -100)
+    weight = 0.3 if divergence.startswith("skew_") else 0.5
+    expected = reference.logits(hs @ ws.T, ht @ wt.T, beta=weight, divergence=divergence, temperature=2.0,
+                                labels=labels, reduction="mean")
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    assert int(count) == 10 and torch.isfinite(entropy)
+
+
+def test_trl_trainers_check_their_divergence():
+    pytest.importorskip("trl")
+    from nitrobrew.trl import DistillationTrainer, GKDTrainer
+
+    for trainer in (GKDTrainer, DistillationTrainer):
+        with pytest.raises(ValueError, match="divergence must be one of"):
+            trainer(divergence="kl")
+        with pytest.raises(ValueError, match="alpha must be a number in"):
+            trainer(divergence="skew_forward_kl", alpha=2.0)
 
 
 def _word_tokenizer():

@@ -65,7 +65,8 @@ def _gkd_losses_match(rank, world, family):
         teacher = _trl_teacher_fsdp2(teacher) if t_layout == "fsdp2" else teacher
         for beta in (0.1, 0.5):
             for items in (None, torch.tensor(19)):
-                state = types.SimpleNamespace(teacher_model=teacher, beta=beta,
+                state = types.SimpleNamespace(teacher_model=teacher, beta=beta, nitrobrew_divergence="jsd",
+                                              nitrobrew_alpha=0.1,
                                               accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
                                               generalized_jsd_loss=TRLGKDTrainer.generalized_jsd_loss)
                 results = []

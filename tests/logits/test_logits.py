@@ -8,17 +8,15 @@ import pytest
 import torch
 
 import nitrobrew
-from helpers import assert_close_to_oracle, divergence_of
+from helpers import NEW_DIVERGENCES, assert_close_to_oracle, divergence_of, op_weight, reference_options, weight_kwargs
 from nitrobrew import reference
 
-BETAS = [0.0, 1.0, 0.5, 0.1]
-FUNCTIONS = {0.0: nitrobrew.logits.forward_kl, 1.0: nitrobrew.logits.reverse_kl}
+# forward KL, reverse KL, JSD(0.5), JSD(0.1), and the divergences named by (name, weight) pairs (helpers.py)
+BETAS = [0.0, 1.0, 0.5, 0.1, *NEW_DIVERGENCES]
 
 
 def loss_fn(zs, zt, *, beta, **options):
-    if beta in FUNCTIONS:
-        return FUNCTIONS[beta](zs, zt, **options)
-    return nitrobrew.logits.jsd(zs, zt, beta=beta, **options)
+    return getattr(nitrobrew.logits, divergence_of(beta))(zs, zt, **weight_kwargs(beta), **options)
 
 
 def make_logits(lead=(37,), v=1500, *, scale=3.0, dtype=torch.float32, seed=0, masked_rows=False):
@@ -49,7 +47,7 @@ def check(zs, zt, *, beta, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", 
     same = torch.float64 if zs.dtype == torch.float64 else torch.float32
 
     def ref(a, b, **kw):
-        return reference.logits(a, b, beta=beta, dtype=None, **kw)
+        return reference.logits(a, b, **reference_options(beta), dtype=None, **kw)
 
     on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
     loss, dzs = values_and_grad(lambda a, b, **kw: loss_fn(a, b, beta=beta, **kw), to_device(zs, device),
@@ -134,6 +132,9 @@ def test_masked_entries_of_one_model(device):
     check(zs.masked_fill(teacher_only, float("-inf")), zt, beta=1.0, reduction="none", device=device)
     check(zs, zt.masked_fill(teacher_only, float("-inf")), beta=0.5, reduction="none", device=device)
     check(zs.masked_fill(teacher_only, float("-inf")), zt, beta=0.5, reduction="none", device=device)
+    for beta in NEW_DIVERGENCES:  # the skew KLs' mixtures have mass wherever their KL's first side has; TVD is bounded
+        check(zs, zt.masked_fill(teacher_only, float("-inf")), beta=beta, reduction="none", device=device)
+        check(zs.masked_fill(teacher_only, float("-inf")), zt, beta=beta, reduction="none", device=device)
 
 
 def test_infinite_divergence_is_not_nan(device):
@@ -209,7 +210,7 @@ def test_opcheck(beta, device):
     zs, zt, labels = make_logits(lead=(6,), v=70, masked_rows=True)
     zs, zt, labels = zs.to(device), zt.to(device), labels.to(device)
     zs.requires_grad_()
-    options = (-100, divergence_of(beta), beta, 1.5)
+    options = (-100, divergence_of(beta), op_weight(beta), 1.5)
     torch.library.opcheck(torch.ops.nitrobrew.logits_fwd.default, (zs, zt, labels) + options)
     _, row_stats = torch.ops.nitrobrew.logits_fwd(zs.detach(), zt, labels, *options)
     torch.library.opcheck(torch.ops.nitrobrew.logits_bwd.default,

@@ -20,7 +20,8 @@ def test_randomized(seed, device):
                                              masked_rows=masked)
     if masked:
         options["labels"] = labels
-    beta = rng.choice([0.0, 1.0, round(rng.uniform(0.05, 0.95), 3)])
+    weight = round(rng.uniform(0.05, 0.95), 3)  # JSD's beta or the skew KLs' alpha
+    beta = rng.choice([0.0, 1.0, weight, ("skew_forward_kl", weight), ("skew_reverse_kl", weight), ("tvd", 0.0)])
     print(f"seed {seed}: lead={lead} v={v} beta={beta} {dtype} {options}")
     t, rows = options["temperature"], zs[..., 0].numel()
     spread = (zs.double() - zt.double()).abs().max().item() / t

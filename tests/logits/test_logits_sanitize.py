@@ -22,7 +22,9 @@ pytestmark = [CUDA, pytest.mark.sanitize]
 def test_every_kernel_once():
     dev = "cuda"
     losses = [nitrobrew.logits.forward_kl, nitrobrew.logits.reverse_kl,
-              lambda zs, zt, **kw: nitrobrew.logits.jsd(zs, zt, beta=0.3, **kw)]
+              lambda zs, zt, **kw: nitrobrew.logits.jsd(zs, zt, beta=0.3, **kw),
+              lambda zs, zt, **kw: nitrobrew.logits.skew_forward_kl(zs, zt, alpha=0.1, **kw),
+              lambda zs, zt, **kw: nitrobrew.logits.skew_reverse_kl(zs, zt, alpha=0.4, **kw), nitrobrew.logits.tvd]
     # V: 16-byte rows for every dtype (vector loads), odd (scalar loads); a strided slice of columns.
     for dtype, v, strided, loss_fn in itertools.product(
             [torch.float32, torch.bfloat16, torch.float16, torch.float64], [1024, 1027], [False, True], losses):

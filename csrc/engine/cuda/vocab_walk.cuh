@@ -139,11 +139,18 @@ __device__ __forceinline__ void logit_tiles(Acc& zs, Acc& zt, SmemTile<T>& smem,
   apply_model_logits(zt, a.model_t, v0, a.vocab_size);
 }
 
+// The blocks per SM an sm_80 kernel's pass asks the compiler to fit (__launch_bounds__' second argument):
+// Pass::kMinBlocksPerSM where the pass sets it, else 1 (the compiler's choice).
+template <typename Pass, typename = void>
+constexpr int kMinBlocksPerSM = 1;
+template <typename Pass>
+constexpr int kMinBlocksPerSM<Pass, std::void_t<decltype(Pass::kMinBlocksPerSM)>> = Pass::kMinBlocksPerSM;
+
 // The sm_80 path (mma.sync; runs on sm_90 too). Grid: (row tiles of 64, splits). Each block
 // walks the vocabulary tiles of its split and hands each pair of logit tiles to the pass
 // (e.g. fused_linear/passes.cuh), which folds it into per-row state or turns it into dLoss/dz.
 template <typename T, bool kVec, typename Pass>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<Pass>)
     mma_logit_kernel(typename Pass::Args a, VocabSchedule sched, typename Pass::Params params) {
   __shared__ SmemTile<T> smem;
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows, split = blockIdx.y;
