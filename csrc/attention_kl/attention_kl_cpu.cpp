@@ -168,7 +168,7 @@ void backward_impl(const AttentionKLParams& p, const AttentionInputs<acc_t>& in,
                 const acc_t s = s_all[r * (j1 - j0) + j - j0], t = t_all[r * (j1 - j0) + j - j0];
                 gs[r * (j1 - j0) + j - j0] =
                     g * ds_dscore *
-                    divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), st[kGradCenter]);
+                    divergence_grad(div, s, t, norm_s, norm_t, st[kGradCenter]);
               }
             }
             dq_head.slice(0, i0, i1).add_(at::mm(grad, ks.slice(0, j0, j1)));

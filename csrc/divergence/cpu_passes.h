@@ -156,9 +156,8 @@ struct MixturePass {
     const acc_t* row = stats + n * kNumRowStats;
     const LogNormalizer<mix_t> norm_s{row[kMaxS], row[kLogSumS]}, norm_t{row[kMaxT], row[kLogSumT]};
     const auto sums = lane_sums<mix_t, 2>(cols, [&](int64_t v) {
-      const mix_t log_p = log_prob(static_cast<mix_t>(scale_logit(zs[v], inv_t)), norm_s);
-      const mix_t log_q = log_prob(static_cast<mix_t>(scale_logit(zt[v], inv_t)), norm_t);
-      const SecondPassTerms<mix_t> terms = second_pass_terms(div, log_p, log_q);
+      const SecondPassTerms<mix_t> terms = second_pass_terms(div, static_cast<mix_t>(scale_logit(zs[v], inv_t)),
+                                                             static_cast<mix_t>(scale_logit(zt[v], inv_t)), norm_s, norm_t);
       return std::array<mix_t, 2>{terms.a, terms.b};
     });
     sum_a[n] += sums[0];
@@ -301,7 +300,7 @@ struct GradientPass {
         zs[v] = acc_t(0);
         continue;
       }
-      acc_t dz = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), row[kGradCenter]) * inv_t;
+      acc_t dz = divergence_grad(div, s, t, norm_s, norm_t, row[kGradCenter]) * inv_t;
       if (ce_weight != acc_t(0)) dz += ce_weight * (exp_(log_prob(z, norm_ce)) - acc_t(v == y ? 1 : 0));
       zs[v] = g * dz * softcap_grad_from_capped(z, cap_s);
     }

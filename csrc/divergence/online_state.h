@@ -200,11 +200,25 @@ NB_HOST_DEVICE T sign_of(T x) {
   return T(x > T(0)) - T(x < T(0));
 }
 
+// TVD's sign(p_v - q_v), the sign of log p - log q, from the scaled logits s, t and the rows' log-normalizers;
+// 0 at ties. An entry whose logits are equal (s = t) in rows whose log-normalizers agree to float32 rounding is
+// a tie: two equal rows of logits (p = q) then give the sign 0 at every entry, where their normalizers, summed
+// in different orders by the kernels, differ by an ulp that would make every entry's sign +-1 at random.
+template <typename T>
+NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t) {
+  using std::fabs;
+  constexpr T kEps = T(4) * T(std::numeric_limits<float>::epsilon());
+  const T gap = (norm_s.max - norm_t.max) + (norm_s.log_sum - norm_t.log_sum);  // log q - log p where s = t
+  if (s == t && fabs(gap) <= kEps * (T(1) + fabs(norm_s.log_sum) + fabs(norm_t.log_sum))) return T(0);
+  return sign_of(log_prob(s, norm_s) - log_prob(t, norm_t));
+}
+
 // The two per-entry terms of the second pass, summed per row over the vocabulary (a, b):
 //   JSD:              q (log q - log M),  p (log p - log M)    KL(q || M), KL(p || M)
 //   skew forward KL:  q (log q - log M),  p q / M              the loss, the gradient's centre
 //   skew reverse KL:  p (log p - log M),  p q / M
-//   TVD:              |p - q|,            sign(p - q) p        (sign(0) = 0)
+//   TVD:              |p - q|,            sign(p - q) p        (sign(0) = 0: tvd_sign; |p - q| as
+//                                                                  sign(p - q) (p - q), 0 at ties)
 // Entries where a side is 0 add 0 without a test of their own: a -inf log-probability weighs exp(-inf)
 // = 0, and its difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite
 // value, which 0 times leaves 0 (fmax returns the number when the other operand is NaN). The
@@ -215,15 +229,17 @@ struct SecondPassTerms {
   T a, b;
 };
 
+// s, t: the entry's scaled logits; norm_s, norm_t: the rows' log-normalizers.
 template <typename T, typename Exp = StdExp>
-NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d, T log_p, T log_q,
+NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d, T s, T t,
+                                                    const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t,
                                                     Exp exp = Exp{}) {
-  using std::fabs;
   using std::fmax;
   constexpr T kLowest = std::numeric_limits<T>::lowest();
+  const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
   if (d.kind == Divergence::kTVD) {
-    const T p = exp(log_p);
-    return {fabs(p - exp(log_q)), sign_of(log_p - log_q) * p};
+    const T p = exp(log_p), sign = tvd_sign(s, t, norm_s, norm_t);
+    return {sign * (p - exp(log_q)), sign * p};
   }
   // Each term formed only in the branch that uses it: formed before the branches, JSD's float64 pass (float32
   // inputs, the training path's row kernel, sm_90a) went from no spills to 44-76 bytes, its kind a constant.
@@ -272,13 +288,14 @@ NB_HOST_DEVICE SecondPassRow<T> finish_second_pass(const DivergenceParams<T>& d,
 //                     as alpha -> 1, where alpha p / M ~ alpha and the centre cancelled it at ~alpha / (1 - alpha)
 //                     times the float32 reference's error.)
 //   TVD:              sum sign(p - q) p;  1/2 p (sign(p - q) - center), with the subgradient
-//                     sign(0) = 0 where p = q.
+//                     sign(0) = 0 where p = q (tvd_sign).
 //   forward KL:       unused.
 // `exp` evaluates the probabilities and the mixture (log_mixture). The callers give entries where p = 0
 // (s = -inf) the gradient 0 without calling this, but forward KL's -q.
 template <typename T, typename Exp = StdExp>
-NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p, T log_q, T center,
-                                 Exp exp = Exp{}) {
+NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, const LogNormalizer<T>& norm_s,
+                                 const LogNormalizer<T>& norm_t, T center, Exp exp = Exp{}) {
+  const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
   const T p = exp(log_p);
   switch (d.kind) {
     case Divergence::kForwardKL:
@@ -295,7 +312,7 @@ NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, T log_p
       return p * ((log_p - log_m) + d.beta * q_over_m - center);
     }
     case Divergence::kTVD:
-      return T(0.5) * p * (sign_of(log_p - log_q) - center);
+      return T(0.5) * p * (tvd_sign(s, t, norm_s, norm_t) - center);
     default:
       return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q, exp) - center);
   }

@@ -116,7 +116,7 @@ struct MixtureSums {
     d.kind = kKind;  // a constant: second_pass_terms' tests fold away
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
-      const SecondPassTerms<acc_t> terms = second_pass_terms(d, log_prob(s[k], norm_s), log_prob(t[k], norm_t), ex);
+      const SecondPassTerms<acc_t> terms = second_pass_terms(d, s[k], t[k], norm_s, norm_t, ex);
       sum_a += terms.a;
       sum_b += terms.b;
     }

@@ -315,9 +315,10 @@ struct MixturePass {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           if (v0 + fragment_col(j, e) >= a.vocab_size) continue;
-          const float log_p = log_prob(scale_logit(zs.at(j, 2 * i + e), a.inv_temperature), norm_s[i]);
-          const float log_q = log_prob(scale_logit(zt.at(j, 2 * i + e), a.inv_temperature), norm_t[i]);
-          const SecondPassTerms<float> terms = second_pass_terms(a.div, log_p, log_q, PassExp<T>{});  // as the gradient pass
+          const float s = scale_logit(zs.at(j, 2 * i + e), a.inv_temperature);
+          const float t = scale_logit(zt.at(j, 2 * i + e), a.inv_temperature);
+          const SecondPassTerms<float> terms =
+              second_pass_terms(a.div, s, t, norm_s[i], norm_t[i], PassExp<T>{});  // the exponential of the gradient pass
           sum_a[i] += terms.a;
           sum_b[i] += terms.b;
         }
@@ -413,7 +414,7 @@ struct GradPass {
           if (rows.valid[i] && (kPlain || col + e < a.vocab_size)) {
             const float z = zs.at(j, 2 * i + e);
             const float s = scale_logit(z, inv_t), t = scale_logit(zt.at(j, 2 * i + e), inv_t);
-            dz[e] = divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, PassExp<T>{}) * inv_t;
+            dz[e] = divergence_grad(div, s, t, norm_s, norm_t, center, PassExp<T>{}) * inv_t;
             if (kCE && a.ce_weight != 0.f) {
               dz[e] += a.ce_weight * (PassExp<T>{}(log_prob(z, norm_ce)) - (col + e == rows.label[i] ? 1.f : 0.f));
             }

@@ -128,7 +128,7 @@ struct GradFold {
       // 0 * inf of the other divergences' formulas.
       const bool zero = kKind != Divergence::kForwardKL && s == kNegInf<float>;
       float d = zero ? 0.f
-                     : divergence_grad(div, s, t, log_prob(s, norm_s), log_prob(t, norm_t), center, ex) * inv_t;
+                     : divergence_grad(div, s, t, norm_s, norm_t, center, ex) * inv_t;
       if (ce_weight != 0.f) d += ce_weight * (ex(log_prob(ys[k], norm_ce)) - (v0 + k == label ? 1.f : 0.f));
       g[k] = kPlain ? d * scale : d * softcap_grad_from_capped(ys[k], softcap_s) * scale;
     }

@@ -158,7 +158,7 @@ struct GradWriter {
       // the 0 * inf that the other divergences' formulas would form.
       const bool zero = kKind != Divergence::kForwardKL && s[k] == kNegInf<acc_t>;
       const acc_t d = zero ? acc_t(0)
-                           : divergence_grad(div, s[k], t[k], log_prob(s[k], norm_s), log_prob(t[k], norm_t), center,
+                           : divergence_grad(div, s[k], t[k], norm_s, norm_t, center,
                                              RowExp<T, acc_t>{});
       g[k] = from_acc<T>(d * scale);
     }
