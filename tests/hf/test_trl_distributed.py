@@ -119,7 +119,7 @@ def _distillation_losses_match(rank, world):
             accelerator = types.SimpleNamespace(unwrap_model=extract_model_from_parallel, num_processes=world,
                                                 gather_for_metrics=gather_for_metrics, is_main_process=rank == 0)
             state = types.SimpleNamespace(model=student, teacher_model=teacher, beta=0.5, temperature=1.5,
-                                          model_kwarg_keys=(), _is_vlm=False, accelerator=accelerator,
+                                          nitrobrew_divergence="jsd", nitrobrew_alpha=0.1, model_kwarg_keys=(), _is_vlm=False, accelerator=accelerator,
                                           _forward_redirection=_ForwardRedirection(),
                                           _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
             state._get_last_hidden_state = types.MethodType(TRLDistillationTrainer._get_last_hidden_state, state)
