@@ -50,13 +50,11 @@ def check_name(divergence: str, argument: str = "loss") -> str:
     return divergence
 
 
-def op_weight(divergence: str, beta: float = 0.5, alpha: float = 0.1) -> float:
-    """The ops' weight argument for a divergence: jsd's beta, the skew KLs' alpha (checked, in [0, 1]), else 0."""
-    if divergence == "jsd":
-        return _checks.unit_interval(beta, "beta")
-    if divergence in ("skew_forward_kl", "skew_reverse_kl"):
-        return _checks.unit_interval(alpha, "alpha")
-    return 0.0
+def weight_kwargs(divergence: str, beta: float = 0.5, alpha: float = 0.1) -> dict:
+    """The keyword of a divergence's weight, as its public function takes it: {"beta": beta} for jsd,
+    {"alpha": alpha} for the skew KLs, {} for the others."""
+    name = WEIGHTS.get(divergence, (None,))[0]
+    return {} if name is None else {name: beta if name == "beta" else alpha}
 
 
 def runs_second_pass(divergence: str, weight: float) -> bool:

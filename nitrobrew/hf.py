@@ -237,8 +237,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     (nitrobrew.forward_kl's options; None: automatic, 2048 MiB).
     The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
     _divergences.check_name(loss)
-    weight = {name: value for name, value in (("beta", beta), ("alpha", alpha))
-              if _divergences.WEIGHTS.get(loss, (None,))[0] == name}
+    weight = _divergences.weight_kwargs(loss, beta, alpha)
     _checks.tensor(input_ids, "input_ids")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2 (a position and its next token), "

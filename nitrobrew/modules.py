@@ -71,8 +71,7 @@ class DistillationLoss(nn.Module):
 
     def _weight(self) -> dict:
         """The divergence's weight as its function takes it: {"beta": ...}, {"alpha": ...} or {}."""
-        name = _divergences.WEIGHTS.get(self.loss, (None,))[0]
-        return {} if name is None else {name: getattr(self, name)}
+        return _divergences.weight_kwargs(self.loss, self.beta, self.alpha)
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())

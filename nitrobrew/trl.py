@@ -78,9 +78,9 @@ def _divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_he
         weights.append(None if weight is None else weight.to(dtype))
     valid = completion_mask != 0
     labels = torch.where(valid, 0, -100).long()  # a mask only (no CE add-on): any id serves for the kept rows
-    weight_of = {"beta": beta} if divergence == "jsd" else {"alpha": alpha} if divergence.startswith("skew_") else {}
     loss_sum, entropy = getattr(fused_linear, divergence)(
-        student_hidden_states, teacher_hidden_states.to(dtype), weights[0], weights[1], **weight_of,
+        student_hidden_states, teacher_hidden_states.to(dtype), weights[0], weights[1],
+        **_divergences.weight_kwargs(divergence, beta, alpha),
         temperature=temperature, labels=labels, reduction="sum", bias_s=weights[2], bias_t=weights[3],
         logit_scale_s=student_logit_scale, logit_scale_t=teacher_logit_scale,
         softcap_s=student_final_logit_softcapping, softcap_t=teacher_final_logit_softcapping, return_entropy=True)

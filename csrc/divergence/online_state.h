@@ -222,8 +222,8 @@ NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNor
 // Entries where a side is 0 add 0 without a test of their own: a -inf log-probability weighs exp(-inf)
 // = 0, and its difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite
 // value, which 0 times leaves 0 (fmax returns the number when the other operand is NaN). The
-// products p q / M and p^2 / M are formed as exponentials of sums of log-probabilities: 0 where p
-// (or q) is 0, never exp(NaN).
+// product p q / M is formed as an exponential of a sum of log-probabilities: 0 where p or q is 0,
+// never exp(NaN).
 template <typename T>
 struct SecondPassTerms {
   T a, b;
@@ -274,7 +274,7 @@ NB_HOST_DEVICE SecondPassRow<T> finish_second_pass(const DivergenceParams<T>& d,
 }
 
 // dLoss/ds_v for one vocabulary entry (docs/design.md section 5), where s, t are the student's
-// and teacher's temperature-scaled logits and log_p, log_q their log-probabilities. Each is
+// and teacher's temperature-scaled logits and norm_s, norm_t the rows' log-normalizers. Each is
 // p_v (g_v - sum_u p_u g_u) with g = dLoss/dp, and `center` is the per-row sum the forward saved:
 //   reverse KL:       E_p[s - t]. p (log p - log q - KL) = p ((s - t) - E_p[s - t]): the two
 //                     log-normalizers cancel exactly, which keeps the gradient accurate when
