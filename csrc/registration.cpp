@@ -127,45 +127,46 @@ TORCH_LIBRARY(nitrobrew, m) {
       "logits_bwd(Tensor grad_loss, Tensor zs, Tensor zt, Tensor? labels, Tensor row_stats, "
       "int ignore_index, str divergence, float beta, float temperature) -> Tensor");
 
-  // Top-K teacher distillation from the student's [N, V] logits (logits/): forward KL over the K ids the
+  // Top-K teacher distillation from the student's [N, V] logits (logits/): a divergence over the K ids the
   // teacher kept ([N, K] int64 teacher_ids, any order; teacher_logprobs its log-probabilities over
-  // its full vocabulary), sum_k q_k (log q_k - log p_{id_k}), the temperature on the student only.
-  // renormalize: both distributions renormalized over the K ids ("topk"), else the student's over
-  // the vocabulary and q_k as given ("full"). Returns loss [N] (float32, float64 for float64 inputs)
-  // and row_stats [N, 4 + K] (float64: TopKRowStat in divergence/topk.h, then the K student logits at
-  // the ids).
+  // its full vocabulary), the temperature on the student only. renormalize: both distributions
+  // renormalized over the K ids ("topk"), and any divergence (divergence, beta as logits_fwd takes them);
+  // else forward KL sum_k q_k (log q_k - log p_{id_k}) with the student's softmax over the vocabulary and
+  // q_k as given ("full"). Returns loss [N] (float32, float64 for float64 inputs) and row_stats
+  // [N, 5 + K] (float64: TopKRowStat in divergence/topk_params.h, then the K student logits at the ids).
   m.def(
       "topk_logits_fwd(Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
-      "int ignore_index, float temperature, bool renormalize) -> (Tensor, Tensor)");
+      "int ignore_index, float temperature, bool renormalize, str divergence, float beta) -> (Tensor, Tensor)");
   // Recompute backward: dLoss/dzs [N, V] in zs's dtype.
   m.def(
       "topk_logits_bwd(Tensor grad_loss, Tensor zs, Tensor teacher_ids, Tensor teacher_logprobs, "
-      "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize) -> Tensor");
+      "Tensor? labels, Tensor row_stats, int ignore_index, float temperature, bool renormalize, str divergence, "
+      "float beta) -> Tensor");
 
   // Top-K teacher distillation from the student's hidden states xs [N, D] and unembedding ws [V, D]
   // (topk_linear/): the loss of topk_logits_fwd for the logits logit_scale_s * (xs . ws^T + bias_s),
   // never formed: "full" walks the vocabulary online (chunk_v wide on the CPU, 0 = automatic) for the
   // log-normalizer and picks the K logits out of its tiles; "topk" takes the K logits as dot products
   // with gathered rows of ws. Returns loss [N] (float32, float64 for float64 inputs) and row_stats
-  // [N, 4 + K] (float64: TopKRowStat, then the K student logits).
+  // [N, 5 + K] (float64: TopKRowStat, then the K student logits).
   m.def(
       "topk_linear_fwd(Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, Tensor? labels, "
       "Tensor? bias_s, int ignore_index, float temperature, float logit_scale_s, bool renormalize, "
-      "int chunk_v) -> (Tensor, Tensor)");
+      "int chunk_v, str divergence, float beta) -> (Tensor, Tensor)");
   // Recompute backward: (dxs, dws, dbias_s), each an empty tensor when not requested.
   m.def(
       "topk_linear_bwd(Tensor grad_loss, Tensor xs, Tensor ws, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, Tensor? bias_s, Tensor row_stats, int ignore_index, float temperature, "
-      "float logit_scale_s, bool renormalize, int chunk_v, bool compute_dxs, bool compute_dws, "
-      "bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
+      "float logit_scale_s, bool renormalize, int chunk_v, str divergence, float beta, bool compute_dxs, "
+      "bool compute_dws, bool compute_dbias_s) -> (Tensor, Tensor, Tensor)");
 
   // Merges the R vocabulary shards' top-K parts (partials [R, N, 2 + K] float64: each shard's student
   // log-normalizer of z / temperature over its rows, then the K student logits at the ids it holds, 0
-  // at the others') and finishes the rows: (loss [N], row_stats [N, 4 + K]) as topk_linear_fwd returns
+  // at the others') and finishes the rows: (loss [N], row_stats [N, 5 + K]) as topk_linear_fwd returns
   // them over the whole vocabulary (loss float64 for float64 logits, else float32).
   m.def(
       "topk_merge_shards(Tensor partials, Tensor teacher_logprobs, Tensor? labels, int ignore_index, "
-      "float temperature, bool renormalize, bool float64_logits) -> (Tensor, Tensor)");
+      "float temperature, bool renormalize, str divergence, float beta, bool float64_logits) -> (Tensor, Tensor)");
 
   // Attention-distribution KL (attention_kl/), forward. Layout [B, N, H, D]; scores
   // scale * q.k / temperature per model, keys hidden by key_mask ([B, N_k] bool, true = attended)

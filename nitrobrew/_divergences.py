@@ -57,6 +57,25 @@ def weight_kwargs(divergence: str, beta: float = 0.5, alpha: float = 0.1) -> dic
     return {} if name is None else {name: beta if name == "beta" else alpha}
 
 
+def topk_weight(divergence: str, normalize: str, beta: float | None, alpha: float | None) -> float:
+    """The ops' weight of topk_kl(divergence=, beta=, alpha=), after checking the pair: jsd takes beta (default 0.5),
+    the skew KLs alpha (default 0.1), the others neither; normalize="full" takes forward_kl only."""
+    check_name(divergence, "divergence")
+    if normalize == "full" and divergence != "forward_kl":
+        raise ValueError(f'normalize="full" takes divergence="forward_kl" only, got {divergence!r}: the other '
+                         f'divergences need the teacher\'s probabilities beyond its K ids; use normalize="topk", '
+                         f'which renormalizes both sides over them')
+    taken = WEIGHTS.get(divergence, (None,))[0]
+    for name, value in (("beta", beta), ("alpha", alpha)):
+        if value is not None and name != taken:
+            users = " and ".join(repr(d) for d, (w, _) in WEIGHTS.items() if w == name)
+            raise ValueError(f"{name} is the weight of {users} only, got divergence={divergence!r}")
+    if taken is None:
+        return 0.0
+    value = beta if taken == "beta" else alpha
+    return _checks.unit_interval(WEIGHTS[divergence][1] if value is None else value, taken)
+
+
 def runs_second_pass(divergence: str, weight: float) -> bool:
     """Whether a divergence with the ops' weight needs the second pass over the vocabulary (its loss is two
     sums per row formed from the first pass's log-normalizers): jsd with beta in (0, 1), the skew KLs with

@@ -318,7 +318,7 @@ class TopKForwardGrads(torch.autograd.Function):
                     z.mul_(logit_scale_s)
                 loss_r, dz = step_rows(z, teacher_ids[r0:r1], teacher_logprobs[r0:r1],
                                        None if labels is None else labels[r0:r1], row_scale, r0, r1,
-                                       (ignore_index, temperature, False))
+                                       (ignore_index, temperature, False, "forward_kl", 0.0))
                 if logit_scale_s != 1.0:  # G is dLoss/d(products + bias), as the fused-linear op's
                     dz.mul_(logit_scale_s)
                 loss[r0 - b0:r1 - b0] = loss_r

@@ -47,7 +47,7 @@ from nitrobrew._registration import ops, save_tensors, saved_tensors, stats_dtyp
 # Columns of a shard's unfinished row states (PartialField in csrc/divergence/row_partial.h).
 NUM_PARTIAL_FIELDS = 11
 # Columns of the top-K row statistics before the K logits (TopKRowStat in csrc/divergence/topk_params.h).
-NUM_TOPK_ROW_STATS = 4
+NUM_TOPK_ROW_STATS = 5
 
 __all__ = ["FusedLinearCall", "TopKCall", "fused_linear_loss", "logits_loss", "sharded_weights", "topk_logits_loss",
            "topk_loss"]
@@ -83,7 +83,7 @@ def _(partials, mixture, labels, *options):
 
 
 @torch.library.register_fake("nitrobrew::topk_merge_shards")
-def _(partials, teacher_logprobs, labels, ignore_index, temperature, renormalize, float64_logits):
+def _(partials, teacher_logprobs, labels, ignore_index, temperature, renormalize, divergence, beta, float64_logits):
     rows, columns = partials.shape[1], partials.shape[2]
     loss_dtype = torch.float64 if float64_logits else torch.float32
     return (partials.new_empty((rows,), dtype=loss_dtype),
@@ -195,13 +195,16 @@ class FusedLinearCall:
 
 @dataclass(frozen=True)
 class TopKCall:
-    """topk_kl's options, as topk_linear.py validated them."""
+    """topk_kl's options, as topk_linear.py validated them (weight: the ops' beta argument, JSD's beta or the
+    skew KLs' alpha)."""
 
     temperature: float
     renormalize: bool
     ignore_index: int
     logit_scale_s: float
     chunk_v: int
+    divergence: str = "forward_kl"
+    weight: float = 0.0
 
 
 def _merged_rows(part: Tensor, mixture_of, labels, call: FusedLinearCall, vocab_size: int, group):
@@ -452,7 +455,8 @@ class _TopKShard(_ShardLoss):
         z = local_stats[:, NUM_TOPK_ROW_STATS:]
         part = torch.cat([local_stats[:, :2], torch.where(held, z, torch.zeros_like(z))], 1)
         loss, row_stats = ops.topk_merge_shards(_all_gather(part, self.shard.group), logprobs, labels,
-                                                call.ignore_index, call.temperature, call.renormalize, float64_logits)
+                                                call.ignore_index, call.temperature, call.renormalize,
+                                                call.divergence, call.weight, float64_logits)
         # The backward reads the whole vocabulary's statistics with this shard's logits at the ids: the
         # others' ids sit on row 0 with q = 0, and there their logit must be row 0's own (the dense part
         # at an id is written from it), or -inf for "topk" (p~ = 0: no sparse term).
@@ -470,7 +474,8 @@ class _TopKLinearShard(_TopKShard):
         xs, ws, bias_s, ids, logprobs, labels = inputs
         call = self.call
         held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
-        self.options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v)
+        self.options = (call.ignore_index, call.temperature, call.logit_scale_s, call.renormalize, call.chunk_v,
+                        call.divergence, call.weight)
         local_stats = None
         if ws.shape[0] > 0:
             _, local_stats = ops.topk_linear_fwd(xs, ws, local_ids, local_logprobs, labels, bias_s, *self.options)
@@ -495,7 +500,8 @@ class _TopKLogitsShard(_TopKShard):
     def forward(self, inputs):
         zs, ids, logprobs, labels = inputs
         held, local_ids, local_logprobs = self._local_teacher(ids, logprobs)
-        self.options = (self.call.ignore_index, self.call.temperature, self.call.renormalize)
+        self.options = (self.call.ignore_index, self.call.temperature, self.call.renormalize, self.call.divergence,
+                        self.call.weight)
         local_stats = None
         if zs.shape[1] > 0:
             _, local_stats = ops.topk_logits_fwd(zs, local_ids, local_logprobs, labels, *self.options)

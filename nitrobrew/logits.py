@@ -24,7 +24,7 @@ from torch import Tensor
 
 import torch
 
-from nitrobrew import _checks, distributed
+from nitrobrew import _checks, _divergences, distributed
 from nitrobrew._divergences import divergence_functions
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
@@ -120,19 +120,23 @@ forward_kl, reverse_kl, jsd, skew_forward_kl, skew_reverse_kl, tvd = divergence_
 
 
 def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
+            divergence: str = "forward_kl", beta: float | None = None, alpha: float | None = None,
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
             ignore_index: int = -100, process_group=None) -> Tensor:
-    """Forward KL against a teacher's top-K log-probabilities, from the student's logits zs: [..., V].
+    """A divergence against a teacher's top-K log-probabilities (forward KL by default), from the student's
+    logits zs: [..., V].
 
     teacher_ids: [..., K] int64, in [0, V), in any order; teacher_logprobs: [..., K] float, the teacher's
-    log-probabilities (over its full vocabulary) of those tokens. The loss per row is
+    log-probabilities (over its full vocabulary) of those tokens. Forward KL's loss per row is
     sum_k q_k (log q_k - log p_{id_k}) with q_k = exp(teacher_logprobs_k).
     normalize="full": p is the student's softmax over the whole vocabulary and q_k is used as given (its
-    sum may be < 1); "topk": both are renormalized over the K ids. The temperature divides the student's
-    logits only. Other options as in forward_kl (process_group: zs is this rank's [..., V_shard] columns
-    and the teacher's ids stay global); the gradient flows to zs only. Ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
-    synchronization; skipped while torch.compile traces or a CUDA graph captures, where the CUDA kernels stop
-    with a device-side assertion instead).
+    sum may be < 1); "topk": both are renormalized over the K ids. divergence, beta, alpha: as in
+    nitrobrew.topk_kl (any of nitrobrew's divergences with "topk", forward KL with "full"). The temperature
+    divides the student's logits only. Other options as in forward_kl (process_group: zs is this rank's
+    [..., V_shard] columns and the teacher's ids stay global); the gradient flows to zs only. Ids outside
+    [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
+    synchronization; skipped while torch.compile traces or a CUDA graph captures, where such a row's loss and
+    gradient come out NaN instead).
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")
@@ -141,15 +145,16 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     vocab = zs.shape[-1]
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, zs.shape[:-1],
                          vocab if process_group is None else None, of="zs")  # sharded: checked over all shards
+    weight = _divergences.topk_weight(divergence, normalize, beta, alpha)
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:
-        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0)
+        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0, divergence, weight)
         loss = distributed.topk_logits_loss(zs.reshape(zs.shape[:-1].numel(), vocab), teacher_ids.reshape(-1, k),
                                             teacher_logprobs.reshape(-1, k), flat_labels, call, process_group)
         return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)
     loss, _ = ops.topk_logits_fwd(zs.reshape(-1, vocab), teacher_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k),
-                                  flat_labels, ignore_index, temperature, normalize == "topk")
+                                  flat_labels, ignore_index, temperature, normalize == "topk", divergence, weight)
     return reduce_rows(loss, zs.shape[:-1], reduction, flat_labels, ignore_index)

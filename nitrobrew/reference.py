@@ -228,17 +228,26 @@ def topk_logits(
     teacher_logprobs: Tensor,
     *,
     normalize: str = "full",
+    divergence: str = "forward_kl",
+    beta: float = 0.0,
     temperature: float = 1.0,
     reduction: str = "mean",
     labels: Tensor | None = None,
     ignore_index: int = -100,
     dtype: torch.dtype | None = torch.float64,
 ) -> Tensor:
-    """What nitrobrew.logits.topk_kl computes: sum_k q_k (log q_k - log p_{id_k}), teacher
+    """What nitrobrew.logits.topk_kl computes: forward KL sum_k q_k (log q_k - log p_{id_k}), teacher
     log-probabilities of -inf contributing 0; a NaN or +inf one makes the row NaN, and so does
-    normalize="topk" over K log-probabilities that are all -inf."""
+    normalize="topk" over K log-probabilities that are all -inf. With normalize="topk" another divergence
+    (beta: its weight, as `logits` takes it) is the logit-level one between the K gathered student logits and
+    the teacher's K log-probabilities."""
     if dtype is not None:
         zs, teacher_logprobs = zs.to(dtype), teacher_logprobs.to(dtype)
+    if divergence != "forward_kl":
+        if normalize != "topk":
+            raise ValueError('normalize="full" takes forward_kl only')
+        return logits(zs.gather(-1, teacher_ids) / temperature, teacher_logprobs, beta=beta, divergence=divergence,
+                      reduction=reduction, labels=labels, ignore_index=ignore_index, dtype=None)
     zs = _unread_masked_rows(zs, labels, ignore_index)
     teacher_logprobs = _unread_masked_rows(teacher_logprobs, labels, ignore_index)
     undefined = (teacher_logprobs.isnan() | (teacher_logprobs == math.inf)).any(-1)

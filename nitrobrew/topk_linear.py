@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nitrobrew import _checks, _forward_grads, _training_shards, distributed
+from nitrobrew import _checks, _divergences, _forward_grads, _training_shards, distributed
 from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
 from nitrobrew._registration import ops, register_recompute_op, row_outputs
@@ -22,7 +22,7 @@ __all__ = ["topk_kl"]
 
 # Columns of the top-K ops' per-row statistics before the K student logits (TopKRowStat in
 # csrc/divergence/topk_params.h).
-NUM_TOPK_ROW_STATS = 4
+NUM_TOPK_ROW_STATS = distributed.NUM_TOPK_ROW_STATS
 
 
 def _fake_forward(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, *options):
@@ -40,11 +40,13 @@ _KERNEL_DEVICE_TYPES = kernel_device_types("topk_linear_fwd")
 
 
 def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normalize: str = "full",
+            divergence: str = "forward_kl", beta: float | None = None, alpha: float | None = None,
             temperature: float = 1.0, reduction: str = "mean", labels: Tensor | None = None,
             ignore_index: int = -100, chunk_V: int | None = None, bias_s: Tensor | None = None,
             logit_scale_s: float = 1.0, grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None,
             process_group=None) -> Tensor:
-    """Forward KL against a teacher's top-K log-probabilities, per token, from hidden states.
+    """A divergence against a teacher's top-K log-probabilities (forward KL by default), per token, from hidden
+    states.
 
     Args:
         xs: [..., D] student hidden states. ws: [V, D] student unembedding.
@@ -53,6 +55,11 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
         normalize: "full": the student's log-probabilities are normalized over the whole vocabulary and
             q_k = exp(teacher_logprobs_k) is used as given (its sum may be < 1); "topk": both are
             renormalized over the K ids.
+        divergence: "forward_kl" (the default: KL(teacher || student)); with normalize="topk" also "reverse_kl",
+            "jsd" (its weight beta, default 0.5), "skew_forward_kl" and "skew_reverse_kl" (alpha, default 0.1)
+            and "tvd", as nitrobrew's functions of those names define them, between the two distributions
+            renormalized over the K ids. "full" takes forward KL only: the others need the teacher's
+            probabilities beyond its K ids.
         temperature: divides the student's logits only.
         reduction, labels, ignore_index: as in nitrobrew.forward_kl.
         chunk_V: vocabulary chunk width of the CPU kernel (None = automatic).
@@ -71,7 +78,7 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
             ws.grad of its shard. ws given as a DTensor sharded on dim 0 needs no group
             (nitrobrew.distributed).
 
-    The loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
+    Forward KL's loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
     gradients flow to xs, ws and bias_s. Ids outside [0, V) raise an IndexError naming the first one and its position
     (on CUDA at the cost of a host synchronization; skipped while torch.compile traces or a CUDA graph
     captures, where such a row's loss and gradient come out NaN instead).
@@ -93,6 +100,7 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     lead_shape = xs.shape[:-1]
     vocab = ws.shape[0] if process_group is None else None  # sharded: checked over the whole vocabulary
     _checks.topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape, vocab, of="xs")
+    weight = _divergences.topk_weight(divergence, normalize, beta, alpha)
     _checks.same_device({"xs": xs, "ws": ws, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     xs, ws = _checks.autocast_inputs(xs, ws)
     if ws.dtype != xs.dtype:
@@ -115,7 +123,8 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     train = normalize == "full" and _forward_grads.wanted(grad_in_forward, reduction, (xs, ws, bias_s), xs.device.type,
                                                           _forward_grads.TOPK_AUTOMATIC_DEVICES)
     if process_group is not None:
-        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0)
+        call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, logit_scale_s, chunk_V or 0,
+                                    divergence, weight)
         # Over vocabulary shards the training path runs when asked for (not yet measured against the
         # recompute path there; under FSDP2 it needs the same upstream gradient on every rank).
         if train and grad_in_forward:
@@ -137,5 +146,5 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
                                                      chunk_bytes, needs)
     loss, _ = ops.topk_linear_fwd(xs.reshape(-1, xs.shape[-1]), ws, teacher_ids.reshape(-1, k),
                                   teacher_logprobs.reshape(-1, k), flat_labels, bias_s, ignore_index, temperature,
-                                  logit_scale_s, normalize == "topk", chunk_V or 0)
+                                  logit_scale_s, normalize == "topk", chunk_V or 0, divergence, weight)
     return reduce_rows(loss, lead_shape, reduction, flat_labels, ignore_index)

@@ -31,6 +31,15 @@ def reference_options(beta) -> dict:
     return {"beta": op_weight(beta), "divergence": divergence_of(beta)}
 
 
+# The top-K losses' (normalize, a test's beta) cases: "full" is forward KL's alone, "topk" takes every divergence.
+TOPK_CASES = [("full", 0.0), ("topk", 0.0), ("topk", 1.0), ("topk", 0.3), *(("topk", d) for d in NEW_DIVERGENCES)]
+
+
+def divergence_kwargs(beta) -> dict:
+    """topk_kl's divergence= and weight keywords for a test's beta."""
+    return {"divergence": divergence_of(beta), **weight_kwargs(beta)}
+
+
 def weight_kwargs(beta) -> dict:
     """The public function's weight keyword for a test's beta: {"beta": ...}, {"alpha": ...} or {}."""
     name = divergence_of(beta)

@@ -27,6 +27,12 @@ def draw(seed: int, device: str) -> tuple[random.Random, torch.dtype]:
     return rng, rng.choice(dtypes)
 
 
+def draw_divergence(rng: random.Random):
+    """A divergence as tests name it (helpers.divergence_of): every one, JSD's beta or the skew KLs' alpha drawn."""
+    weight = round(rng.uniform(0.05, 0.95), 3)
+    return rng.choice([0.0, 1.0, weight, ("skew_forward_kl", weight), ("skew_reverse_kl", weight), ("tvd", 0.0)])
+
+
 def log_uniform(rng: random.Random, low: float, high: float) -> float:
     return low * (high / low) ** rng.random()
 
@@ -40,11 +46,11 @@ def rounding_floor(dtype: torch.dtype, spread: float) -> float:
 
 
 def loss_floor(dtype: torch.dtype, spread: float, vocab: int, rows: int, reduction: str) -> float:
-    """The absolute rounding floor of a one-pass loss in float32: each row's value is a difference of
-    terms of the size of its log-normalizers, |s| + log V, so a row whose divergence is tiny keeps an
-    error of ~eps of them that a direct sum of p log(p/q) does not have ("sum" adds the rows')."""
-    if dtype == torch.float64:
-        return 0.0
+    """The absolute rounding floor of a one-pass loss in float32 (float64 for float64 inputs): each row's value
+    is a difference of terms of the size of its log-normalizers, |s| + log V, so a row whose divergence is tiny
+    (0 at K = 1 over renormalized top-K ids) keeps an error of ~eps of them that a direct sum of p log(p/q)
+    does not have ("sum" adds the rows')."""
     import math
-    per_row = 4 * torch.finfo(torch.float32).eps * (spread + math.log(max(vocab, 2)))
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    per_row = 4 * eps * (spread + math.log(max(vocab, 2)))
     return per_row * (rows if reduction == "sum" else 1)

@@ -7,20 +7,26 @@ CUDA-graph capture) never reach a device-side assertion."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import nitrobrew
 from conftest import CUDA
+from helpers import divergence_of, reference_options, weight_kwargs
 from nitrobrew import _checks, reference
 
 NAN, INF = float("nan"), float("inf")
 BAD = 2  # the row each case spoils
 ROWS, V, K, D = 6, 300, 8, 16
-LOGIT_LOSSES = {0.0: nitrobrew.logits.forward_kl, 1.0: nitrobrew.logits.reverse_kl,
-                0.4: lambda zs, zt, **kw: nitrobrew.logits.jsd(zs, zt, beta=0.4, **kw)}
-LINEAR_LOSSES = {0.0: nitrobrew.forward_kl, 1.0: nitrobrew.reverse_kl,
-                 0.4: lambda *args, **kw: nitrobrew.jsd(*args, beta=0.4, **kw)}
+# Every divergence, as tests name them (helpers.divergence_of).
+DIVERGENCES = [0.0, 1.0, 0.4, ("skew_forward_kl", 0.3), ("skew_reverse_kl", 0.3), ("tvd", 0.0)]
+
+
+def _loss(module, beta):
+    """The function of module (nitrobrew or nitrobrew.logits) for a test's divergence."""
+    return functools.partial(getattr(module, divergence_of(beta)), **weight_kwargs(beta))
 
 
 def _generator():
@@ -80,7 +86,7 @@ LOGIT_CASES = [f"{what} {side}" for what in ("nan entry", "+inf entry", "nan row
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("beta", list(LOGIT_LOSSES))
+@pytest.mark.parametrize("beta", DIVERGENCES)
 @pytest.mark.parametrize("case", LOGIT_CASES)
 def test_logits(device, beta, case):
     g = _generator()
@@ -91,8 +97,8 @@ def test_logits(device, beta, case):
         undefined = False
     else:
         undefined = _spoil_logits(case, zs, zt)
-    check_against_reference(lambda a: LOGIT_LOSSES[beta](a, zt.float().to(device), reduction="none"),
-                            lambda a: reference.logits(a, zt, beta=beta, reduction="none"),
+    check_against_reference(lambda a: _loss(nitrobrew.logits, beta)(a, zt.float().to(device), reduction="none"),
+                            lambda a: reference.logits(a, zt, **reference_options(beta), reduction="none"),
                             zs, device, undefined=undefined)
 
 
@@ -104,7 +110,8 @@ def test_masked_rows_are_not_read(device):
     zs[BAD] = NAN
     labels = torch.arange(ROWS)
     labels[BAD] = -100
-    for fn in LOGIT_LOSSES.values():
+    for beta in DIVERGENCES:
+        fn = _loss(nitrobrew.logits, beta)
         a = zs.to(device).requires_grad_()
         loss = fn(a, zt.to(device), labels=labels.to(device))
         loss.backward()
@@ -141,32 +148,43 @@ def _spoil_teacher(case, lps, normalize):
     return True
 
 
+# (normalize, divergence, its weight keyword): "topk" rows are the logit-level ops' rows, for every divergence.
+TOPK_LOSSES = [("full", "forward_kl", {}), ("topk", "forward_kl", {}), ("topk", "jsd", {"beta": 0.4}),
+               ("topk", "tvd", {})]
+
+
+def _reference_weight(weight: dict) -> float:
+    return next(iter(weight.values()), 0.0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("normalize", ["full", "topk"])
+@pytest.mark.parametrize("normalize, divergence, weight", TOPK_LOSSES)
 @pytest.mark.parametrize("case", TOPK_CASES)
-def test_topk_from_logits(device, normalize, case):
+def test_topk_from_logits(device, normalize, divergence, weight, case):
     xs, ws, ids, lps = _topk_problem()
     zs = xs @ ws.T
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         zs[BAD, ids[BAD, 0]] = NAN
     check_against_reference(lambda a: nitrobrew.logits.topk_kl(a, ids.to(device), lps.float().to(device), normalize=normalize,
-                                    reduction="none"),
-                            lambda a: reference.topk_logits(a, ids, lps, normalize=normalize, reduction="none"),
+                                    reduction="none", divergence=divergence, **weight),
+                            lambda a: reference.topk_logits(a, ids, lps, normalize=normalize, reduction="none",
+                                                            divergence=divergence, beta=_reference_weight(weight)),
                             zs, device, undefined=undefined)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("normalize", ["full", "topk"])
+@pytest.mark.parametrize("normalize, divergence, weight", TOPK_LOSSES)
 @pytest.mark.parametrize("case", TOPK_CASES)
-def test_topk_from_hidden_states(device, normalize, case):
+def test_topk_from_hidden_states(device, normalize, divergence, weight, case):
     xs, ws, ids, lps = _topk_problem()
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         xs[BAD, 1] = NAN
     check_against_reference(lambda a: nitrobrew.topk_kl(a, ws.float().to(device), ids.to(device), lps.float().to(device),
-                             normalize=normalize, reduction="none"),
-                            lambda a: reference.topk_linear(a, ws, ids, lps, normalize=normalize, reduction="none"),
+                             normalize=normalize, reduction="none", divergence=divergence, **weight),
+                            lambda a: reference.topk_linear(a, ws, ids, lps, normalize=normalize, reduction="none",
+                                                            divergence=divergence, beta=_reference_weight(weight)),
                             xs, device, undefined=undefined)
 
 
@@ -183,18 +201,18 @@ def _linear_problem(case):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("beta", list(LINEAR_LOSSES))
+@pytest.mark.parametrize("beta", DIVERGENCES)
 @pytest.mark.parametrize("case", ["nan in xs", "nan in xt", "+inf in xs"])
 def test_fused_linear(device, beta, case):
     xs, xt, ws, wt = _linear_problem(case)
-    check_against_reference(lambda a: LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
-                               reduction="none"),
-                            lambda a: reference.fused_linear(a, xt, ws, wt, beta=beta, reduction="none"),
+    check_against_reference(lambda a: _loss(nitrobrew, beta)(a, xt.float().to(device), ws.float().to(device),
+                                                             wt.float().to(device), reduction="none"),
+                            lambda a: reference.fused_linear(a, xt, ws, wt, **reference_options(beta), reduction="none"),
                             xs, device, undefined=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("beta", list(LINEAR_LOSSES))
+@pytest.mark.parametrize("beta", DIVERGENCES)
 @pytest.mark.parametrize("case", ["nan in xs", "nan in xt", "+inf in xs"])
 def test_fused_linear_training_path(device, beta, case):
     # The training path's loss is a scalar: the spoiled row makes it NaN and its row of xs.grad
@@ -202,11 +220,12 @@ def test_fused_linear_training_path(device, beta, case):
     # gives them.
     xs, xt, ws, wt = _linear_problem(case)
     a = xs.float().to(device).requires_grad_()
-    loss = LINEAR_LOSSES[beta](a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
-                               reduction="sum", grad_in_forward=True)
+    loss = _loss(nitrobrew, beta)(a, xt.float().to(device), ws.float().to(device), wt.float().to(device),
+                                  reduction="sum", grad_in_forward=True)
     (grad,) = torch.autograd.grad(loss, a)
     ref_in = xs.clone().requires_grad_()
-    (ref_grad,) = torch.autograd.grad(reference.fused_linear(ref_in, xt, ws, wt, beta=beta, reduction="sum"), ref_in)
+    (ref_grad,) = torch.autograd.grad(reference.fused_linear(ref_in, xt, ws, wt, **reference_options(beta),
+                                                             reduction="sum"), ref_in)
     clean = [n for n in range(ROWS) if n != BAD]
     assert loss.isnan() and not grad[BAD].isfinite().all()
     tol = _float_tol(device)

@@ -36,12 +36,12 @@ NB_HOST_DEVICE T teacher_row_max(T max_key) {
   return max_key == std::numeric_limits<T>::infinity() ? kNaN<T> : max_key;
 }
 
-// Whether a top-K row's loss (and gradient) is NaN: its teacher held a NaN or +inf, or
-// normalize="topk" renormalizes K log-probabilities that are all -inf. (normalize="full" with all
-// -inf keeps every q_k = 0: loss 0.)
+// Whether a normalize="full" top-K row's loss (and gradient) is NaN: its teacher held a NaN or +inf.
+// (All -inf keeps every q_k = 0: loss 0. normalize="topk" rows are the logit ops' rows, with their rule:
+// K log-probabilities that are all -inf leave the teacher no distribution, NaN.)
 template <typename T>
-NB_HOST_DEVICE bool topk_row_undefined(T teacher_max, bool renormalize) {
-  return teacher_max != teacher_max || (renormalize && teacher_max == kNegInf<T>);
+NB_HOST_DEVICE bool topk_row_undefined(T teacher_max) {
+  return teacher_max != teacher_max;
 }
 
 }  // namespace nitrobrew

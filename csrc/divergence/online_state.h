@@ -194,23 +194,33 @@ NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q, Exp
   return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q, exp);
 }
 
-// -1, 0 or 1; 0 for NaN (both sides -inf: an entry where p = q = 0).
+// -1, 0 or 1; NaN for NaN (a row the non-finite rule makes undefined).
 template <typename T>
 NB_HOST_DEVICE T sign_of(T x) {
-  return T(x > T(0)) - T(x < T(0));
+  return x != x ? x : T(x > T(0)) - T(x < T(0));
 }
 
 // TVD's sign(p_v - q_v), the sign of log p - log q, from the scaled logits s, t and the rows' log-normalizers;
-// 0 at ties. An entry whose logits are equal (s = t) in rows whose log-normalizers agree to float32 rounding is
-// a tie: two equal rows of logits (p = q) then give the sign 0 at every entry, where their normalizers, summed
-// in different orders by the kernels, differ by an ulp that would make every entry's sign +-1 at random.
+// 0 at ties, and where p = q = 0; NaN in a row with a NaN log-normalizer or log-probability. An entry whose
+// logits are equal (s = t) in rows whose log-normalizers agree to float32 rounding is a tie: two equal rows of
+// logits (p = q) then give the sign 0 at every entry, where their normalizers, summed in different orders by
+// the kernels, differ by an ulp that would make every entry's sign +-1 at random.
 template <typename T>
 NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t) {
   using std::fabs;
   constexpr T kEps = T(4) * T(std::numeric_limits<float>::epsilon());
+  const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
+  if (log_p == kNegInf<T> && log_q == kNegInf<T>) return T(0);
   const T gap = (norm_s.max - norm_t.max) + (norm_s.log_sum - norm_t.log_sum);  // log q - log p where s = t
   if (s == t && fabs(gap) <= kEps * (T(1) + fabs(norm_s.log_sum) + fabs(norm_t.log_sum))) return T(0);
-  return sign_of(log_prob(s, norm_s) - log_prob(t, norm_t));
+  return sign_of(log_p - log_q);
+}
+
+// w (log w - log M), the KL term of a side whose log-probability is log_w: 0 where w = 0 (whatever log M: -inf
+// or, with the other side 0 too, NaN), NaN where log_w or log M is NaN (the non-finite rule's undefined rows).
+template <typename T, typename Exp>
+NB_HOST_DEVICE T kl_term(T log_w, T log_m, Exp exp) {
+  return log_w == kNegInf<T> ? T(0) : exp(log_w) * (log_w - log_m);
 }
 
 // The two per-entry terms of the second pass, summed per row over the vocabulary (a, b):
@@ -219,11 +229,9 @@ NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNor
 //   skew reverse KL:  p (log p - log M),  p q / M
 //   TVD:              |p - q|,            sign(p - q) p        (sign(0) = 0: tvd_sign; |p - q| as
 //                                                                  sign(p - q) (p - q), 0 at ties)
-// Entries where a side is 0 add 0 without a test of their own: a -inf log-probability weighs exp(-inf)
-// = 0, and its difference (-inf, or NaN when both sides are -inf) is clamped to the lowest finite
-// value, which 0 times leaves 0 (fmax returns the number when the other operand is NaN). The
-// product p q / M is formed as an exponential of a sum of log-probabilities: 0 where p or q is 0,
-// never exp(NaN).
+// Entries where a side is 0 add 0 (kl_term); a NaN log-normalizer or log-probability makes its row's terms
+// NaN. The product p q / M is formed as an exponential of a sum of log-probabilities: 0 where p or q is 0,
+// never exp(NaN) there.
 template <typename T>
 struct SecondPassTerms {
   T a, b;
@@ -234,8 +242,6 @@ template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d, T s, T t,
                                                     const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t,
                                                     Exp exp = Exp{}) {
-  using std::fmax;
-  constexpr T kLowest = std::numeric_limits<T>::lowest();
   const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
   if (d.kind == Divergence::kTVD) {
     const T p = exp(log_p), sign = tvd_sign(s, t, norm_s, norm_t);
@@ -245,12 +251,12 @@ NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d
   // inputs, the training path's row kernel, sm_90a) went from no spills to 44-76 bytes, its kind a constant.
   const T log_m = log_mixture(d, log_p, log_q, exp);
   if (d.kind == Divergence::kJSD) {
-    return {exp(log_q) * fmax(log_q - log_m, kLowest), exp(log_p) * fmax(log_p - log_m, kLowest)};
+    return {kl_term(log_q, log_m, exp), kl_term(log_p, log_m, exp)};
   }
   const T log_pq = log_p + log_q;
   const T pq_over_m = log_pq == kNegInf<T> ? T(0) : exp(log_pq - log_m);
-  if (d.kind == Divergence::kSkewForwardKL) return {exp(log_q) * fmax(log_q - log_m, kLowest), pq_over_m};
-  return {exp(log_p) * fmax(log_p - log_m, kLowest), pq_over_m};  // the skew reverse KL
+  if (d.kind == Divergence::kSkewForwardKL) return {kl_term(log_q, log_m, exp), pq_over_m};
+  return {kl_term(log_p, log_m, exp), pq_over_m};  // the skew reverse KL
 }
 
 // A row's loss and gradient centre from its second-pass sums over the whole vocabulary.

@@ -13,7 +13,8 @@ namespace nitrobrew {
 TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int64_t vocab,
                                const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs,
                                const c10::optional<at::Tensor>& labels, int64_t ignore_index, double temperature,
-                               bool renormalize, bool check_ids_on_host) {
+                               bool renormalize, c10::string_view divergence, double weight,
+                               bool check_ids_on_host) {
   TORCH_CHECK(teacher_ids.scalar_type() == at::kLong, "teacher_ids must be int64, got ", teacher_ids.scalar_type());
   TORCH_CHECK(at::isFloatingType(teacher_logprobs.scalar_type()), "teacher_logprobs must be floating point, got ",
               teacher_logprobs.scalar_type());
@@ -37,6 +38,7 @@ TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int6
   check_labels(labels, rows_of, name);
   TopKParams p;
   p.renormalize = renormalize;
+  set_topk_divergence(p, divergence, weight);
   p.inv_temperature = 1.0 / temperature;
   p.logit_scale = 1.0;
   p.ignore_index = ignore_index;
@@ -46,6 +48,28 @@ TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int6
   p.hidden = 0;
   p.chunk_v = 0;
   return p;
+}
+
+void set_topk_divergence(TopKParams& p, c10::string_view divergence, double weight) {
+  TORCH_CHECK(std::isfinite(weight), "the divergence's weight (beta or alpha) must be a number, got ", weight);
+  p.kind = parse_divergence(divergence, weight);
+  p.weight = weight;
+  // Without renormalizing, the student's side is the whole vocabulary and the teacher's only K ids: the
+  // divergences other than forward KL need the teacher's tail (its mass where the student has some).
+  TORCH_CHECK_VALUE(p.renormalize || p.kind == Divergence::kForwardKL, "normalize='full' takes forward_kl only, got '",
+                    divergence, "': the other divergences need the teacher's whole distribution; use "
+                    "normalize='topk'");
+}
+
+const char* divergence_name(Divergence kind) {
+  switch (kind) {
+    case Divergence::kForwardKL: return "forward_kl";
+    case Divergence::kReverseKL: return "reverse_kl";
+    case Divergence::kJSD: return "jsd";
+    case Divergence::kSkewForwardKL: return "skew_forward_kl";
+    case Divergence::kSkewReverseKL: return "skew_reverse_kl";
+    default: return "tvd";
+  }
 }
 
 GuardedTopK guard_topk_ids(const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs, int64_t vocab) {

@@ -1,17 +1,30 @@
-// Options of the top-K teacher ops (top-K from logits: logits/, from hidden states: topk_linear/):
-// forward KL over the K tokens a teacher kept, against a student whose log-probabilities come from
-// its logits. Validated once, handed to the kernels as a struct.
+// Options of the top-K teacher ops (top-K from logits: logits/, from hidden states: topk_linear/): a
+// divergence over the K tokens a teacher kept, against a student whose log-probabilities come from its
+// logits. normalize="full" takes forward KL only; "topk" (both sides renormalized over the K ids) takes
+// every divergence (topk_rows.h). Validated once, handed to the kernels as a struct.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+#include "online_state.h"
 
 namespace nitrobrew {
 
 // Columns of the top-K forward's per-row statistics (float64), as (max, log of the sum relative to it): the
 // student's log-normalizer of temperature-scaled logits (over the vocabulary, or over the K ids when
-// renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none).
-enum TopKRowStat : int { kTopKMax = 0, kTopKLogSum, kTopKTeacherMax, kTopKTeacherLogSum, kNumTopKRowStats };
+// renormalizing) and the teacher's kept mass, log sum_k exp(teacher_logprobs_k) (max -inf: none); then,
+// when renormalizing, the divergence's gradient centre over the K ids (RowStat kGradCenter of the logit
+// ops, which compute the row: topk_rows.h), else 0.
+enum TopKRowStat : int {
+  kTopKMax = 0,
+  kTopKLogSum,
+  kTopKTeacherMax,
+  kTopKTeacherLogSum,
+  kTopKGradCenter,
+  kNumTopKRowStats
+};
 
 // The top-K ops (from logits and from hidden states) save [N, kNumTopKRowStats + K] statistics: these
 // columns, then the K student logits z_{id_k} (before the temperature) that the forward gathered.
@@ -19,6 +32,8 @@ constexpr int kTopKLogitsColumn = kNumTopKRowStats;
 
 struct TopKParams {
   bool renormalize;  // normalize="topk": both distributions renormalized over the K ids
+  Divergence kind;   // forward KL unless renormalizing
+  double weight;     // the ops' `beta` argument: JSD's beta or the skew KLs' alpha (parse_divergence)
   double inv_temperature;
   double logit_scale;  // multiplier of the student's logits (ops from hidden states; 1 = none)
   int64_t ignore_index;
@@ -27,14 +42,22 @@ struct TopKParams {
   int64_t chunk_v;  // vocabulary chunk width requested by the caller (0 = automatic; ops from hidden states)
 };
 
-// The teacher's ids [N, K] and log-probabilities, the temperature and the labels, against `rows_of`
-// ([N, ...], named `name`) and a vocabulary of `vocab` entries. The range check reads the ids on the
+// The teacher's ids [N, K] and log-probabilities, the temperature, the labels and the divergence (with
+// its weight), against `rows_of` ([N, ...], named `name`) and a vocabulary of `vocab` entries. The range check reads the ids on the
 // host: fine for the CPU ops; the CUDA ops check on the device instead (check_ids_on_host = false),
 // without synchronizing. The caller fills in `hidden` and `chunk_v`.
 TopKParams topk_teacher_params(const at::Tensor& rows_of, const char* name, int64_t vocab,
                                const at::Tensor& teacher_ids, const at::Tensor& teacher_logprobs,
                                const c10::optional<at::Tensor>& labels, int64_t ignore_index, double temperature,
-                               bool renormalize, bool check_ids_on_host);
+                               bool renormalize, c10::string_view divergence, double weight,
+                               bool check_ids_on_host);
+
+// Sets p.kind and p.weight from the ops' divergence and beta arguments, after p.renormalize ("full" takes
+// forward KL only).
+void set_topk_divergence(TopKParams& p, c10::string_view divergence, double weight);
+
+// The name of a divergence as the ops take it (the inverse of parse_divergence).
+const char* divergence_name(Divergence kind);
 
 // The teacher's ids and log-probabilities as the CUDA kernels take them: each id outside [0, vocab)
 // replaced by 0 and its log-probability by NaN, so that its row's loss and gradient come out NaN

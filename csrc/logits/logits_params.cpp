@@ -25,11 +25,11 @@ DistillParams make_logits_params(const at::Tensor& zs, const at::Tensor& zt, con
 TopKParams make_topk_logits_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                    int64_t ignore_index, double temperature, bool renormalize,
-                                   bool check_ids_on_host) {
+                                   c10::string_view divergence, double weight, bool check_ids_on_host) {
   TORCH_CHECK(zs.dim() == 2, "zs must be [N, V], got ", zs.sizes());
   check_floating_matrix(zs, "zs");
   return topk_teacher_params(zs, "zs", zs.size(1), teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
-                             renormalize, check_ids_on_host);
+                             renormalize, divergence, weight, check_ids_on_host);
 }
 
 }  // namespace nitrobrew

@@ -19,6 +19,6 @@ DistillParams make_logits_params(const at::Tensor& zs, const at::Tensor& zt, con
 TopKParams make_topk_logits_params(const at::Tensor& zs, const at::Tensor& teacher_ids,
                                    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                    int64_t ignore_index, double temperature, bool renormalize,
-                                   bool check_ids_on_host = true);
+                                   c10::string_view divergence, double weight, bool check_ids_on_host = true);
 
 }  // namespace nitrobrew

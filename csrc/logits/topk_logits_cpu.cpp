@@ -1,9 +1,9 @@
-// CPU implementation of the top-K teacher ops from logits (nitrobrew.logits.topk_kl): forward KL
-// over the K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}). normalize="full": the student's
-// log-probabilities are normalized over the whole vocabulary (one pass over the row, in lane sums)
-// and the teacher's q_k = exp(logprob_k) are used as given; "topk": both are renormalized over the
-// K ids. Gradient w.r.t. the scaled student logits s (docs/design.md section 5):
-//   full: (sum_k q_k) p_v - sum_k q_k [id_k = v]        topk: p~_k - q~_k at id_k, 0 elsewhere.
+// CPU implementation of the top-K teacher ops from logits (nitrobrew.logits.topk_kl). normalize="full":
+// forward KL over the K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}), the student's
+// log-probabilities normalized over the whole vocabulary (one pass over the row, in lane sums) and the
+// teacher's q_k = exp(logprob_k) used as given. Gradient w.r.t. the scaled student logits s
+// (docs/design.md section 5): (sum_k q_k) p_v - sum_k q_k [id_k = v]. normalize="topk" (any divergence)
+// is the K gathered logits' row math (divergence/topk_rows.h), shared with the CUDA op.
 // The row math runs in double whatever the inputs (outputs are float32, float64 for float64): a
 // KL between nearly equal distributions is a difference of O(log K) terms, and float32 sums lost
 // it (relative error 0.5 at loss 1e-6 against float32 PyTorch's 0.07).
@@ -19,6 +19,7 @@
 
 #include "../divergence/nonfinite.h"
 #include "../divergence/online_state.h"
+#include "../divergence/topk_rows.h"
 #include "logits_params.h"
 #include "../engine/cpu/tile_walk.h"
 
@@ -26,7 +27,7 @@ namespace nitrobrew {
 namespace cpu {
 namespace {
 
-// A row's log-normalizers: the student's (over V, or over its K ids) and the teacher's kept mass
+// A row's log-normalizers: the student's over V and the teacher's kept mass
 // (max -inf when the teacher kept no mass; NaN when it holds a NaN or +inf: nonfinite.h).
 template <typename acc_t>
 struct TopKNorms {
@@ -42,7 +43,7 @@ struct Row {
 };
 
 template <typename acc_t, typename scalar_t>
-TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const int64_t* ids, const acc_t* lp, const TopKParams& p) {
+TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const acc_t* lp, const TopKParams& p) {
   const acc_t inv_t = static_cast<acc_t>(p.inv_temperature);
   auto s = [&](int64_t v) { return scale_logit(static_cast<acc_t>(z[v]), inv_t); };
   TopKNorms<acc_t> r;
@@ -55,26 +56,12 @@ TopKNorms<acc_t> row_norms(const Row<scalar_t>& z, const int64_t* ids, const acc
   }
   r.teacher = {lp_max, log_(mass)};
   acc_t m = kNegInf<acc_t>;
-  if (p.renormalize) {
-    for (int64_t k = 0; k < p.k; ++k) m = nan_max(m, s(ids[k]));
-    acc_t sum = 0;
-    for (int64_t k = 0; k < p.k; ++k) sum += m == kNegInf<acc_t> ? acc_t(0) : exp_(s(ids[k]) - m);
-    r.student = {m, log_(sum)};
-  } else {
-    for (int64_t v = 0; v < p.vocab_size; ++v) m = nan_max(m, s(v));
-    const acc_t sum = lane_sums<acc_t, 1>(p.vocab_size, [&](int64_t v) {
-      return std::array<acc_t, 1>{m == kNegInf<acc_t> ? acc_t(0) : exp_(s(v) - m)};
-    })[0];
-    r.student = {m, log_(sum)};
-  }
+  for (int64_t v = 0; v < p.vocab_size; ++v) m = nan_max(m, s(v));
+  const acc_t sum = lane_sums<acc_t, 1>(p.vocab_size, [&](int64_t v) {
+    return std::array<acc_t, 1>{m == kNegInf<acc_t> ? acc_t(0) : exp_(s(v) - m)};
+  })[0];
+  r.student = {m, log_(sum)};
   return r;
-}
-
-// log q_k as the loss uses it: as given, or renormalized over the K ids (relative to the max
-// first, so that nearly uniform teachers lose nothing to rounding a log-normalizer).
-template <typename acc_t>
-acc_t teacher_log_prob(acc_t lp, const TopKNorms<acc_t>& norms, const TopKParams& p) {
-  return p.renormalize ? log_prob(lp, norms.teacher) : lp;
 }
 
 std::vector<uint8_t> valid_rows(const c10::optional<at::Tensor>& labels, const TopKParams& p) {
@@ -111,14 +98,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
       const Row<scalar_t> zn{z + n * zs.stride(0), zs.stride(1)};
       const int64_t* idn = id + n * p.k;
       const acc_t* lpn = lp + n * p.k;
-      const TopKNorms<acc_t> norms = row_norms<acc_t>(zn, idn, lpn, p);
+      const TopKNorms<acc_t> norms = row_norms<acc_t>(zn, lpn, p);
       acc_t* row = stats_ + n * columns;
       for (int64_t k = 0; k < p.k; ++k) row[kTopKLogitsColumn + k] = static_cast<acc_t>(zn[idn[k]]);
       row[kTopKMax] = norms.student.max;
       row[kTopKLogSum] = norms.student.log_sum;
       row[kTopKTeacherMax] = norms.teacher.max;
       row[kTopKTeacherLogSum] = norms.teacher.log_sum;
-      if (topk_row_undefined(norms.teacher.max, p.renormalize)) {
+      if (topk_row_undefined(norms.teacher.max)) {
         loss_[n] = kNaN<acc_t>;
         continue;
       }
@@ -126,9 +113,8 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& zs, const at::
       acc_t total = 0;
       for (int64_t k = 0; k < p.k; ++k) {
         if (lpn[k] == kNegInf<acc_t>) continue;  // q_k = 0: 0 log 0 = 0
-        const acc_t log_q = teacher_log_prob(lpn[k], norms, p);
         const acc_t log_p = log_prob(scale_logit(static_cast<acc_t>(zn[idn[k]]), inv_t), norms.student);
-        total += exp_(log_q) * (log_q - log_p);
+        total += exp_(lpn[k]) * (lpn[k] - log_p);
       }
       loss_[n] = total;
     }
@@ -159,7 +145,7 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
       const acc_t* row = stats + n * (kTopKLogitsColumn + p.k);
       if (!valid[n]) continue;  // its gradient stays 0
       scalar_t* dn = out + n * p.vocab_size;
-      if (topk_row_undefined(row[kTopKTeacherMax], p.renormalize)) {
+      if (topk_row_undefined(row[kTopKTeacherMax])) {
         std::fill(dn, dn + p.vocab_size, static_cast<scalar_t>(kNaN<acc_t>));
         continue;
       }
@@ -170,22 +156,10 @@ at::Tensor backward_impl(const at::Tensor& grad_loss, const at::Tensor& zs, cons
       const acc_t* lpn = lp + n * p.k;
       const acc_t coef = g[n] * inv_t;
       auto p_of = [&](int64_t v) { return exp_(log_prob(scale_logit(static_cast<acc_t>(zn[v]), inv_t), norms.student)); };
-      if (p.renormalize) {
-        // p~ at an id from the forward's logit there (the statistics' column, as the CUDA kernel reads
-        // it): a vocabulary shard's backward gives another shard's ids a logit of -inf there.
-        const acc_t* gathered = row + kTopKLogitsColumn;
-        std::fill(row_grad.begin(), row_grad.end(), acc_t(0));
-        for (int64_t k = 0; k < p.k; ++k) {
-          const acc_t q = lpn[k] == kNegInf<acc_t> ? acc_t(0) : exp_(teacher_log_prob(lpn[k], norms, p));
-          const acc_t p_k = exp_(log_prob(scale_logit(gathered[k], inv_t), norms.student));
-          row_grad[idn[k]] += coef * (p_k - q);
-        }
-      } else {
-        const acc_t mass = exp_(norms.teacher.max + norms.teacher.log_sum);
-        for (int64_t v = 0; v < p.vocab_size; ++v) row_grad[v] = coef * mass * p_of(v);
-        for (int64_t k = 0; k < p.k; ++k) {
-          if (lpn[k] != kNegInf<acc_t>) row_grad[idn[k]] -= coef * exp_(lpn[k]);
-        }
+      const acc_t mass = exp_(norms.teacher.max + norms.teacher.log_sum);
+      for (int64_t v = 0; v < p.vocab_size; ++v) row_grad[v] = coef * mass * p_of(v);
+      for (int64_t k = 0; k < p.k; ++k) {
+        if (lpn[k] != kNegInf<acc_t>) row_grad[idn[k]] -= coef * exp_(lpn[k]);
       }
       for (int64_t v = 0; v < p.vocab_size; ++v) dn[v] = static_cast<scalar_t>(row_grad[v]);
     }
@@ -197,10 +171,14 @@ std::tuple<at::Tensor, at::Tensor> topk_logits_fwd_cpu(const at::Tensor& zs, con
                                                              const at::Tensor& teacher_logprobs,
                                                              const c10::optional<at::Tensor>& labels,
                                                              int64_t ignore_index, double temperature,
-                                                             bool renormalize) {
-  const TopKParams p =
-      make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize);
+                                                             bool renormalize, c10::string_view divergence,
+                                                             double beta) {
+  const TopKParams p = make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                                               renormalize, divergence, beta);
   TORCH_CHECK(zs.device().is_cpu(), "zs must be a CPU tensor here, got ", zs.device());
+  if (p.renormalize) {
+    return topk_gathered_forward(zs, teacher_ids, teacher_logprobs, topk_valid_rows(labels, p, zs), p, at::kDouble);
+  }
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logits_fwd_cpu", [&] {
     out = forward_impl<scalar_t>(zs, teacher_ids, teacher_logprobs, labels, p);
@@ -211,11 +189,15 @@ std::tuple<at::Tensor, at::Tensor> topk_logits_fwd_cpu(const at::Tensor& zs, con
 at::Tensor topk_logits_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& zs, const at::Tensor& teacher_ids,
                                       const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                       const at::Tensor& row_stats, int64_t ignore_index, double temperature,
-                                      bool renormalize) {
-  const TopKParams p =
-      make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature, renormalize);
+                                      bool renormalize, c10::string_view divergence, double beta) {
+  const TopKParams p = make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels, ignore_index, temperature,
+                                               renormalize, divergence, beta);
   TORCH_CHECK(zs.device().is_cpu(), "zs must be a CPU tensor here, got ", zs.device());
   check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, zs.device());
+  if (p.renormalize) {
+    return topk_gathered_backward(grad_loss, zs, teacher_ids, teacher_logprobs, topk_valid_rows(labels, p, zs),
+                                  row_stats, p, at::kDouble);
+  }
   at::Tensor dzs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zs.scalar_type(), "topk_logits_bwd_cpu", [&] {
     dzs = backward_impl<scalar_t>(grad_loss, zs, teacher_ids, teacher_logprobs, labels, row_stats, p);

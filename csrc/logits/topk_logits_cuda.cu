@@ -1,14 +1,14 @@
-// CUDA kernels of the top-K teacher ops from logits (nitrobrew.logits.topk_kl): forward KL over the
-// K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}), with the same math as the CPU op
-// (topk_cpu.cpp). One block per row:
+// CUDA kernels of the top-K teacher ops from logits (nitrobrew.logits.topk_kl), normalize="full": forward
+// KL over the K ids a teacher kept, sum_k q_k (log q_k - log p_{id_k}), with the same math as the CPU op
+// (topk_logits_cpu.cpp). normalize="topk" (any divergence) is the K gathered logits' row math
+// (divergence/topk_rows.h), shared with the CPU op. One block per row:
 //   forward:  gathers the K student logits at the ids into the row's statistics first (the
 //             backward reads them there, not scattered over the row), then the student's
-//             log-normalizer (normalize="full": one streaming pass over the row in 16-byte loads,
-//             float32 exponentials summed per load, float64 across loads; "topk": over the K
-//             gathered logits), the teacher's kept mass, and the K terms in float64;
-//   backward: normalize="full" writes (sum_k q_k) p_v for every v (float32 math, 16-byte stores)
-//             and each id's entry in float64 with its q's subtracted; "topk" writes zeros and
-//             p~ - q~ at the ids. An id that appears several times gets one entry with every
+//             log-normalizer (one streaming pass over the row in 16-byte loads, float32
+//             exponentials summed per load, float64 across loads), the teacher's kept mass, and the
+//             K terms in float64;
+//   backward: writes (sum_k q_k) p_v for every v (float32 math, 16-byte stores) and each id's entry
+//             in float64 with its q's subtracted. An id that appears several times gets one entry with every
 //             occurrence's terms in the order of the ids: the row's (id, position) pairs are sorted
 //             in shared memory first (bitonic, K up to kMaxSortedIds). The ids' entries are computed
 //             before the pass over the row, which finds them among the entries it writes (K up to
@@ -18,8 +18,8 @@
 // The teacher's log-probabilities are read as float32 or float64, as given (other dtypes are
 // widened to float32 first); the loss is written, and its gradient read, in the loss's dtype: no
 // conversion kernels around the two launches.
-// Non-finite inputs follow nonfinite.h: a teacher log-probability of NaN or +inf, or normalize="topk"
-// over K log-probabilities of -inf, gives the row a NaN loss and a NaN gradient row. Ids outside
+// Non-finite inputs follow nonfinite.h: a teacher log-probability of NaN or +inf gives the row a NaN loss
+// and a NaN gradient row. Ids outside
 // [0, V) arrive here as id 0 with a NaN log-probability (guard_topk_ids): no device-side assertion.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -34,6 +34,7 @@
 
 #include "../divergence/nonfinite.h"
 #include "../divergence/online_state.h"
+#include "../divergence/topk_rows.h"
 #include "logits_params.h"
 #include "../engine/cuda/cuda_types.h"
 #include "../engine/cuda/row_kernels.cuh"
@@ -71,7 +72,6 @@ struct TopKArgs {
   const int64_t* labels;  // nullptr without labels
   int64_t ignore_index, vocab, k;
   double inv_t;
-  bool renormalize;
   __device__ __forceinline__ bool valid(int64_t n) const { return labels == nullptr || labels[n] != ignore_index; }
   // Entry v of row n as float64 (exact), as the statistics keep the gathered logits.
   __device__ __forceinline__ double z(int64_t n, int64_t v) const {
@@ -275,10 +275,9 @@ __device__ LogNormalizer<double> full_normalizer(const TopKArgs<T>& a, int64_t n
   return block_normalizer(row_max, scaled);
 }
 
-// The row's normalizers as the CPU op forms them (its row_norms), in every thread; `gathered`: the
-// row's K raw logits at the ids.
+// The row's normalizers as the CPU op forms them (its row_norms), in every thread.
 template <typename T>
-__device__ void row_norms(const TopKArgs<T>& a, int64_t n, const double* gathered, LogNormalizer<double>& student,
+__device__ void row_norms(const TopKArgs<T>& a, int64_t n, LogNormalizer<double>& student,
                           LogNormalizer<double>& teacher) {
   const int64_t lp0 = n * a.k;
   double lp_key = kNegInf<double>;
@@ -289,20 +288,7 @@ __device__ void row_norms(const TopKArgs<T>& a, int64_t n, const double* gathere
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) mass += exp(a.lps[lp0 + j] - lp_max);
   }
   teacher = block_normalizer(lp_max, mass);
-  if (a.renormalize) {
-    double m = kNegInf<double>;
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) m = nan_max(m, a.s(gathered[j]));
-    m = block_max(m);
-    double sum = 0;
-    for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) sum += m == kNegInf<double> ? 0.0 : exp(a.s(gathered[j]) - m);
-    student = block_normalizer(m, sum);
-  } else {
-    student = full_normalizer(a, n);
-  }
-}
-
-__device__ __forceinline__ double teacher_log_prob(double lp, const LogNormalizer<double>& teacher, bool renormalize) {
-  return renormalize ? log_prob(lp, teacher) : lp;
+  student = full_normalizer(a, n);
 }
 
 // Blocks per SM the kernels are compiled for: 6 (<= 40 registers) for 16-bit logits, enough bytes in
@@ -330,16 +316,15 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   // Each thread reads back only the entries it gathered here (positions j = threadIdx.x mod blockDim.x).
   for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) gathered[j] = a.z(n, a.id(n, j));
   LogNormalizer<double> student, teacher;
-  row_norms(a, n, gathered, student, teacher);
+  row_norms(a, n, student, teacher);
   const int64_t lp0 = n * a.k;
   double total = 0, unused = 0;
-  const bool undefined = topk_row_undefined(teacher.max, a.renormalize);  // uniform in the block
+  const bool undefined = topk_row_undefined(teacher.max);  // uniform in the block
   if (teacher.max != kNegInf<double> && !undefined) {
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) {
       const double lp = a.lps[lp0 + j];
       if (lp == kNegInf<double>) continue;  // q = 0: 0 log 0 = 0
-      const double log_q = teacher_log_prob(lp, teacher, a.renormalize);
-      total += exp(log_q) * (log_q - log_prob(a.s(gathered[j]), student));
+      total += exp(lp) * (lp - log_prob(a.s(gathered[j]), student));
     }
   }
   block_sum2(total, unused);
@@ -348,49 +333,39 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   row[kTopKLogSum] = student.log_sum;
   row[kTopKTeacherMax] = teacher.max;
   row[kTopKTeacherLogSum] = teacher.log_sum;
+  row[kTopKGradCenter] = 0.0;  // renormalized rows' only
   loss[n] = static_cast<LossType<T>>(undefined ? kNaN<double> : total);
 }
 
 // ----------------------------------------------------------------------- backward -----
-// The id entry's value: the dense term (normalize="full", from the first occurrence's p) and every
-// occurrence's term, added in the order of the occurrences. "topk" takes each occurrence's own p_k:
-// the same for repeats of an id, but a vocabulary shard's backward puts the other shards' ids on one
-// row with a logit of -inf (p = 0), next to that row's own id (nitrobrew.distributed).
+// The id entry's value: the dense term (from the first occurrence's p) and every occurrence's term,
+// added in the order of the occurrences.
 struct IdEntry {
   double coef, mass, p;
-  LogNormalizer<double> teacher;
-  bool renormalize;
-  __device__ __forceinline__ double start() const { return renormalize ? 0.0 : coef * mass * p; }
-  __device__ __forceinline__ double term(double lp, double p_k) const {
-    const double q = lp == kNegInf<double> ? 0.0 : exp(teacher_log_prob(lp, teacher, renormalize));
-    return renormalize ? coef * (p_k - q) : -coef * q;
-  }
+  __device__ __forceinline__ double start() const { return coef * mass * p; }
+  __device__ __forceinline__ double term(double lp) const { return lp == kNegInf<double> ? 0.0 : -coef * exp(lp); }
 };
 
 // What the backward knows of an active row: the gradient's scale, both normalizers, the teacher's
 // log-probabilities.
 struct RowGrad {
   double coef, mass;
-  LogNormalizer<double> student, teacher;
-  bool renormalize;
+  LogNormalizer<double> student;
   LogProbs lps;
   int64_t lp0;
   // The entry of the id at sorted keys [r, ...); s_at(j): the scaled logit of the occurrence at position j.
   template <typename ScaledLogitAt>
   __device__ __forceinline__ double id_entry(const RowIds& ids, int r, ScaledLogitAt s_at) const {
-    const IdEntry e{coef, mass, exp(log_prob(s_at(ids.position_at(r)), student)), teacher, renormalize};
+    const IdEntry e{coef, mass, exp(log_prob(s_at(ids.position_at(r)), student))};
     const uint32_t v = ids.id_at(r);
     double g = e.start();
-    for (int i = r; i < ids.k && ids.id_at(i) == v; ++i) {
-      const int j = ids.position_at(i);
-      g += e.term(lps[lp0 + j], exp(log_prob(s_at(j), student)));
-    }
+    for (int i = r; i < ids.k && ids.id_at(i) == v; ++i) g += e.term(lps[lp0 + ids.position_at(i)]);
     return g;
   }
 };
 
-// The backward's pass over the row: every entry as if no id were there, scale * p_v (0 for
-// normalize="topk"), in the scaled logits' precision, 16-byte stores where the rows allow; with the
+// The backward's pass over the row: every entry as if no id were there, scale * p_v, in the scaled
+// logits' precision, 16-byte stores where the rows allow; with the
 // row's id bitmap also the ids' entries, computed before the pass (ids.values; else phase 2 of the
 // kernel rewrites them).
 template <typename T>
@@ -435,7 +410,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   const double* gathered = row + kTopKLogitsColumn;  // the forward's logits at the ids
   const auto scaled_at = [&](int j) { return a.s(gathered[j]); };
   T* out = dzs + n * a.vocab;
-  if (a.valid(n) && topk_row_undefined(row[kTopKTeacherMax], a.renormalize)) {  // uniform in the block
+  if (a.valid(n) && topk_row_undefined(row[kTopKTeacherMax])) {  // uniform in the block
     for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) out[v] = from_acc<T>(kNaN<double>);
     return;
   }
@@ -443,8 +418,6 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   const RowGrad grad{static_cast<double>(grad_loss[n]) * a.inv_t,
                      active ? exp(row[kTopKTeacherMax] + row[kTopKTeacherLogSum]) : 0.0,
                      {row[kTopKMax], row[kTopKLogSum]},
-                     {row[kTopKTeacherMax], row[kTopKTeacherLogSum]},
-                     a.renormalize,
                      a.lps,
                      n * a.k};
   RowIds ids;
@@ -457,7 +430,7 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
   }
   using scale_t = ScaleType<T>;
   DenseGradWriter<T> writer{{static_cast<scale_t>(grad.student.max), static_cast<scale_t>(grad.student.log_sum)},
-                            static_cast<scale_t>(active && !a.renormalize ? grad.coef * grad.mass : 0.0), out, ids};
+                            static_cast<scale_t>(active ? grad.coef * grad.mass : 0.0), out, ids};
   for_each_row_chunk<16 / sizeof(T), T, scale_t>(a.zs.row(n), a.zs.stride, a.vocab, a.vectorized,
                                                  static_cast<scale_t>(a.inv_t), writer);
   if (!active || ids.bits != nullptr) return;
@@ -475,11 +448,10 @@ __global__ void __launch_bounds__(kRowThreads, RowBlocksPerSM<T>)
     bool first = true;
     for (int64_t i = 0; i < j && first; ++i) first = a.id(n, i) != v;
     if (!first) continue;
-    const IdEntry e{grad.coef, grad.mass, exp(log_prob(a.s(gathered[j]), grad.student)), grad.teacher,
-                    a.renormalize};
+    const IdEntry e{grad.coef, grad.mass, exp(log_prob(a.s(gathered[j]), grad.student))};
     double g = e.start();
     for (int64_t i = j; i < a.k; ++i) {
-      if (a.id(n, i) == v) g += e.term(a.lps[grad.lp0 + i], exp(log_prob(scaled_at(i), grad.student)));
+      if (a.id(n, i) == v) g += e.term(a.lps[grad.lp0 + i]);
     }
     out[v] = from_acc<T>(g);
   }
@@ -497,7 +469,6 @@ TopKArgs<T> topk_args(const at::Tensor& zs, const at::Tensor& ids, const at::Ten
   a.vocab = p.vocab_size;
   a.k = p.k;
   a.inv_t = p.inv_temperature;
-  a.renormalize = p.renormalize;
   a.vectorized = zs.stride(1) == 1 && reinterpret_cast<uintptr_t>(zs.data_ptr()) % 16 == 0 &&
                  (zs.stride(0) * zs.element_size()) % 16 == 0;
   return a;
@@ -528,12 +499,17 @@ std::tuple<at::Tensor, at::Tensor> topk_logits_fwd_cuda(const at::Tensor& zs, co
                                                               const at::Tensor& teacher_logprobs,
                                                               const c10::optional<at::Tensor>& labels_in,
                                                               int64_t ignore_index, double temperature,
-                                                              bool renormalize) {
+                                                              bool renormalize, c10::string_view divergence,
+                                                              double beta) {
   const TopKParams p = make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels_in, ignore_index, temperature,
-                                              renormalize, /*check_ids_on_host=*/false);
+                                              renormalize, divergence, beta, /*check_ids_on_host=*/false);
   TORCH_CHECK(zs.is_cuda() && zs.size(0) < (int64_t(1) << 31), "zs must be a CUDA tensor of fewer than 2^31 rows");
   const c10::cuda::CUDAGuard guard(zs.device());
   const GuardedTopK teacher = guard_topk_ids(teacher_ids, teacher_logprobs, p.vocab_size);
+  if (p.renormalize) {
+    return topk_gathered_forward(zs, teacher.ids, teacher.logprobs, topk_valid_rows(labels_in, p, zs), p,
+                                 at::kDouble);
+  }
   const at::Tensor ids = teacher.ids.contiguous(), lps = kernel_logprobs(teacher.logprobs);
   const c10::optional<at::Tensor> labels =
       labels_in.has_value() ? c10::optional<at::Tensor>(labels_in->contiguous()) : c10::nullopt;
@@ -554,12 +530,16 @@ std::tuple<at::Tensor, at::Tensor> topk_logits_fwd_cuda(const at::Tensor& zs, co
 at::Tensor topk_logits_bwd_cuda(const at::Tensor& grad_loss, const at::Tensor& zs, const at::Tensor& teacher_ids,
                                        const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels_in,
                                        const at::Tensor& row_stats, int64_t ignore_index, double temperature,
-                                       bool renormalize) {
+                                       bool renormalize, c10::string_view divergence, double beta) {
   const TopKParams p = make_topk_logits_params(zs, teacher_ids, teacher_logprobs, labels_in, ignore_index, temperature,
-                                              renormalize, /*check_ids_on_host=*/false);
+                                              renormalize, divergence, beta, /*check_ids_on_host=*/false);
   check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, zs.device());
   const c10::cuda::CUDAGuard guard(zs.device());
   const GuardedTopK teacher = guard_topk_ids(teacher_ids, teacher_logprobs, p.vocab_size);
+  if (p.renormalize) {
+    return topk_gathered_backward(grad_loss, zs, teacher.ids, teacher.logprobs, topk_valid_rows(labels_in, p, zs),
+                                  row_stats, p, at::kDouble);
+  }
   const at::Tensor ids = teacher.ids.contiguous(), lps = kernel_logprobs(teacher.logprobs);
   const auto loss_dtype = zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor g = grad_loss.to(loss_dtype).contiguous(), stats = row_stats.to(at::kDouble).contiguous();

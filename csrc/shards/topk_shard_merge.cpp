@@ -1,5 +1,5 @@
 // Merge of vocabulary shards' top-K row parts (nitrobrew.distributed): ATen math on [N, K] tensors
-// (topk_linear/topk_linear_rows.h), one kernel for every device.
+// (divergence/topk_rows.h), one kernel for every device.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -7,14 +7,16 @@
 #include <tuple>
 
 #include "../divergence/distill_params.h"
-#include "../topk_linear/topk_linear_rows.h"
+#include "../divergence/topk_rows.h"
 
 namespace nitrobrew {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> topk_merge_shards_any(const at::Tensor& partials, const at::Tensor& teacher_logprobs,
                                                          const c10::optional<at::Tensor>& labels, int64_t ignore_index,
-                                                         double temperature, bool renormalize, bool float64_logits) {
+                                                         double temperature, bool renormalize,
+                                                         c10::string_view divergence, double beta,
+                                                         bool float64_logits) {
   TORCH_CHECK(partials.dim() == 3 && partials.size(0) >= 1 && partials.size(2) >= 3,
               "partials must be [R >= 1, N, 2 + K] as the shards' top-K parts, got ", partials.sizes());
   TORCH_CHECK(teacher_logprobs.dim() == 2 && teacher_logprobs.size(0) == partials.size(1) &&
@@ -27,6 +29,7 @@ std::tuple<at::Tensor, at::Tensor> topk_merge_shards_any(const at::Tensor& parti
   check_labels(labels, partials.select(0, 0), "partials[0]");
   TopKParams p;
   p.renormalize = renormalize;
+  set_topk_divergence(p, divergence, beta);
   p.inv_temperature = 1.0 / temperature;
   p.logit_scale = 1.0;
   p.ignore_index = ignore_index;

@@ -22,7 +22,7 @@
 
 #include "../engine/cpu/tile_walk.h"
 #include "topk_linear_params.h"
-#include "topk_linear_rows.h"
+#include "../divergence/topk_rows.h"
 
 namespace nitrobrew {
 namespace cpu {
@@ -120,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> student_logits_and_log_normalizer(const at::T
   return {z, at::cat({max, sum.log()}, 1)};
 }
 
-// Adds each id's sparse term to its entry of the chunk [c0, c0 + cols) (rows.h).
+// Adds each id's sparse term to its entry of the chunk [c0, c0 + cols) (divergence/topk_rows.h).
 template <typename acc_t>
 void add_id_terms(at::Tensor& dz, const TopKGradTerms& terms, int64_t c0, int64_t cols, const TopKParams& p) {
   const at::Tensor ids = terms.write_ids.contiguous(), values = terms.id_sparse.to(dz.scalar_type()).contiguous();
@@ -133,7 +133,7 @@ void add_id_terms(at::Tensor& dz, const TopKGradTerms& terms, int64_t c0, int64_
   }
 }
 
-// normalize="topk": the gradients from the K ids' terms alone (rows.h), no vocabulary pass.
+// normalize="topk": the gradients from the K ids' terms alone (divergence/topk_rows.h), no vocabulary pass.
 template <typename scalar_t, typename acc_t>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward(const at::Tensor& xs_acc, const at::Tensor& ws,
                                                                const TopKGradTerms& terms, const at::Tensor& grad_loss,
@@ -268,11 +268,11 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cpu(const at::Tensor& xs, con
                                                        const c10::optional<at::Tensor>& labels,
                                                        const c10::optional<at::Tensor>& bias_s, int64_t ignore_index,
                                                        double temperature, double logit_scale_s, bool renormalize,
-                                                       int64_t chunk_v) {
+                                                       int64_t chunk_v, c10::string_view divergence, double beta) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const TopKParams p = make_topk_linear_params(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, ignore_index,
-                                               temperature, logit_scale_s, renormalize, chunk_v);
+                                               temperature, logit_scale_s, renormalize, chunk_v, divergence, beta);
   check_cpu(xs);
   std::tuple<at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xs.scalar_type(), "topk_linear_fwd_cpu", [&] {
@@ -285,11 +285,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_linear_bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& xs, const at::Tensor& ws, const at::Tensor& teacher_ids,
     const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels, const c10::optional<at::Tensor>& bias_s,
     const at::Tensor& row_stats, int64_t ignore_index, double temperature, double logit_scale_s, bool renormalize,
-    int64_t chunk_v, bool compute_dxs, bool compute_dws, bool compute_dbias_s) {
+    int64_t chunk_v, c10::string_view divergence, double beta, bool compute_dxs, bool compute_dws,
+    bool compute_dbias_s) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const TopKParams p = make_topk_linear_params(xs, ws, teacher_ids, teacher_logprobs, labels, bias_s, ignore_index,
-                                               temperature, logit_scale_s, renormalize, chunk_v);
+                                               temperature, logit_scale_s, renormalize, chunk_v, divergence, beta);
   check_cpu(xs);
   check_topk_backward_inputs(grad_loss, row_stats, kTopKLogitsColumn + p.k, p, xs.device());
   std::tuple<at::Tensor, at::Tensor, at::Tensor> out;

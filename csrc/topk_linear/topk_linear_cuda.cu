@@ -1,5 +1,5 @@
 // CUDA ops of the top-K teacher loss from hidden states (nitrobrew.topk_kl); the algorithm and the
-// per-row math are the CPU op's (cpu.cpp, rows.h).
+// per-row math are the CPU op's (topk_linear_cpu.cpp, divergence/topk_rows.h).
 //   forward:  for normalize="full" the fused-linear kernels' student-only pass (StudentNormPass)
 //             folds every tile of xs . ws^T into a softmax state per row and vocabulary split
 //             (float64 sums), merged by merge_norm_kernel, and picks the K student logits z_{id_k}
@@ -30,7 +30,7 @@
 #include "../engine/cuda/row_kernels.cuh"
 #include "topk_linear_launch.h"
 #include "topk_linear_params.h"
-#include "topk_linear_rows.h"
+#include "../divergence/topk_rows.h"
 
 namespace nitrobrew {
 namespace cuda {
@@ -90,7 +90,7 @@ __global__ void merge_norm_kernel(const double* __restrict__ partial, int64_t sp
   norm[n * 2 + 1] = r.log_sum;
 }
 
-// Each id's entry of the chunk [c0, c0 + cols) (rows.h): float32 chunks add the sparse term to
+// Each id's entry of the chunk [c0, c0 + cols) (divergence/topk_rows.h): float32 chunks add the sparse term to
 // the dense entry the gradient pass wrote; 16-bit chunks get id_dense + sparse. Repeated
 // occurrences of an id carry id -1 and are skipped, so every entry has one writer.
 template <typename T>
@@ -109,7 +109,7 @@ __global__ void write_id_entries_kernel(const int64_t* __restrict__ write_ids, c
   }
 }
 
-// normalize="topk", dxs[n] = sum_k coef[n, k] ws[id_k] (rows.h): one block per token, each
+// normalize="topk", dxs[n] = sum_k coef[n, k] ws[id_k] (divergence/topk_rows.h): one block per token, each
 // thread a run of kPerLoad hidden entries (16-byte loads where the rows allow), ids in order.
 template <typename T>
 __global__ void __launch_bounds__(kGatherThreads)
@@ -292,12 +292,12 @@ std::tuple<at::Tensor, at::Tensor> topk_linear_fwd_cuda(const at::Tensor& xs_in,
                                                         const c10::optional<at::Tensor>& labels_in,
                                                         const c10::optional<at::Tensor>& bias_s, int64_t ignore_index,
                                                         double temperature, double logit_scale_s, bool renormalize,
-                                                        int64_t chunk_v) {
+                                                        int64_t chunk_v, c10::string_view divergence, double beta) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s,
                                                ignore_index, temperature, logit_scale_s, renormalize, chunk_v,
-                                               /*check_ids_on_host=*/false);
+                                               divergence, beta, /*check_ids_on_host=*/false);
   const c10::cuda::CUDAGuard guard(xs_in.device());
   const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s, p);
   at::Tensor z, norm;
@@ -316,13 +316,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_linear_bwd_cuda(
     const at::Tensor& grad_loss_in, const at::Tensor& xs_in, const at::Tensor& ws_in, const at::Tensor& teacher_ids,
     const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels_in,
     const c10::optional<at::Tensor>& bias_s, const at::Tensor& row_stats, int64_t ignore_index, double temperature,
-    double logit_scale_s, bool renormalize, int64_t chunk_v, bool compute_dxs, bool compute_dws,
-    bool compute_dbias_s) {
+    double logit_scale_s, bool renormalize, int64_t chunk_v, c10::string_view divergence, double beta,
+    bool compute_dxs, bool compute_dws, bool compute_dbias_s) {
   // The ATen calls below (products, row math) compute in the op's precision even under autocast.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const TopKParams p = make_topk_linear_params(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s,
                                                ignore_index, temperature, logit_scale_s, renormalize, chunk_v,
-                                               /*check_ids_on_host=*/false);
+                                               divergence, beta, /*check_ids_on_host=*/false);
   check_topk_backward_inputs(grad_loss_in, row_stats, kTopKLogitsColumn + p.k, p, xs_in.device());
   const c10::cuda::CUDAGuard guard(xs_in.device());
   const Inputs in = prepare(xs_in, ws_in, teacher_ids, teacher_logprobs, labels_in, bias_s, p);

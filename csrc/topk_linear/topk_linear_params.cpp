@@ -10,7 +10,7 @@ TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, c
                                    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                    const c10::optional<at::Tensor>& bias_s, int64_t ignore_index, double temperature,
                                    double logit_scale_s, bool renormalize, int64_t chunk_v,
-                                   bool check_ids_on_host) {
+                                   c10::string_view divergence, double weight, bool check_ids_on_host) {
   TORCH_CHECK(xs.dim() == 2 && ws.dim() == 2 && ws.size(1) == xs.size(1),
               "xs must be [N, D] and ws [V, D], got ", xs.sizes(), " and ", ws.sizes());
   check_floating_matrix(xs, "xs");
@@ -22,7 +22,7 @@ TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, c
   TORCH_CHECK(chunk_v >= 0, "chunk_v must be positive (or 0 for automatic), got ", chunk_v);
   check_bias(bias_s, ws, "bias_s", "ws");
   TopKParams p = topk_teacher_params(xs, "xs", ws.size(0), teacher_ids, teacher_logprobs, labels, ignore_index,
-                                     temperature, renormalize, check_ids_on_host);
+                                     temperature, renormalize, divergence, weight, check_ids_on_host);
   p.logit_scale = checked_logit_scale(logit_scale_s, "logit_scale_s");
   p.hidden = xs.size(1);
   p.chunk_v = chunk_v;

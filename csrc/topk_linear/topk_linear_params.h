@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
 
 #include "../divergence/topk_params.h"
 
@@ -13,6 +14,6 @@ TopKParams make_topk_linear_params(const at::Tensor& xs, const at::Tensor& ws, c
                                    const at::Tensor& teacher_logprobs, const c10::optional<at::Tensor>& labels,
                                    const c10::optional<at::Tensor>& bias_s, int64_t ignore_index, double temperature,
                                    double logit_scale_s, bool renormalize, int64_t chunk_v,
-                                   bool check_ids_on_host = true);
+                                   c10::string_view divergence, double weight, bool check_ids_on_host = true);
 
 }  // namespace nitrobrew

@@ -250,13 +250,15 @@ def logits(rank: int, world: int, dtype_name: str) -> None:
             raise AssertionError(f"{what}: {type(error).__name__}: {error}") from error
 
 
+# normalize="topk" takes every divergence (the teacher below has -inf entries: reverse KL would be +inf).
 TOPK_CASES = [
     {"normalize": "full"},
     {"normalize": "topk"},
     {"normalize": "full", "labels": True, "temperature": 0.5, "reduction": "none"},
-    {"normalize": "topk", "labels": True, "bias": True, "reduction": "sum"},
+    {"normalize": "topk", "labels": True, "bias": True, "reduction": "sum", "divergence": "jsd", "beta": 0.3},
     {"normalize": "full", "bias": True, "logit_scale_s": 1.7},
-    {"normalize": "topk", "logit_scale_s": 0.6, "temperature": 2.0},
+    {"normalize": "topk", "logit_scale_s": 0.6, "temperature": 2.0, "divergence": "tvd"},
+    {"normalize": "topk", "labels": True, "reduction": "none", "divergence": "skew_reverse_kl", "alpha": 0.4},
     {"normalize": "full", "labels": True, "bias": True, "reduction": "sum", "temperature": 1.5},
 ]
 
@@ -315,7 +317,7 @@ def topk_linear(rank: int, world: int, dtype_name: str, grad_in_forward: bool = 
             if dtype == torch.float64:
                 leaves = [xs.clone().requires_grad_(), ws.clone().requires_grad_()]
                 ref = reference.topk_linear(leaves[0], leaves[1], ids, logprobs, bias_s=bias_s, labels=labels,
-                                            **options)
+                                            **_reference_options(options.get("divergence", "forward_kl"), options))
                 ref_grads = torch.autograd.grad(ref, leaves, upstream)
                 _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
                 _close(d_shard[0], ref_grads[0], 1e-10, f"{what}: xs.grad vs reference")
@@ -353,7 +355,8 @@ def topk_logits(rank: int, world: int, dtype_name: str) -> None:
             _close(d_shard, d_whole[:, cols], gtol, f"{what}: zs.grad")
             if dtype == torch.float64:  # and the materializing reference, by autograd
                 leaf = zs.clone().requires_grad_()
-                ref = reference.topk_logits(leaf, ids, logprobs, labels=labels, **options)
+                ref = reference.topk_logits(leaf, ids, logprobs, labels=labels,
+                                            **_reference_options(options.get("divergence", "forward_kl"), options))
                 _close(shard, ref.detach(), 1e-10, f"{what}: loss vs reference")
                 _close(d_shard, torch.autograd.grad(ref, leaf, upstream)[0][:, cols], 1e-10,
                        f"{what}: zs.grad vs reference")

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import check_against_reference, make_biases, make_problem
 from nitrobrew import reference
-from randomized import DEVICES, SEEDS, draw, log_uniform, loss_floor, rounding_floor
+from randomized import DEVICES, SEEDS, draw, draw_divergence, log_uniform, loss_floor, rounding_floor
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -14,8 +14,7 @@ def test_randomized(seed, device):
     rng, dtype = draw(seed, device)
     n, v, d_s, d_t = rng.randint(1, 90), rng.randint(2, 900), rng.randint(1, 48), rng.randint(1, 48)
     rows_s, rows_t = v + rng.choice([0, 0, 7]), v + rng.choice([0, 3])
-    weight = round(rng.uniform(0.05, 0.95), 3)  # JSD's beta or the skew KLs' alpha
-    beta = rng.choice([0.0, 1.0, weight, ("skew_forward_kl", weight), ("skew_reverse_kl", weight), ("tvd", 0.0)])
+    beta = draw_divergence(rng)
     ce_weight = rng.choice([0.0, 0.0, 0.4])
     options = dict(temperature=log_uniform(rng, 0.2, 5.0), reduction=rng.choice(["mean", "sum", "none"]),
                    softcap_s=rng.choice([None, 25.0]), softcap_t=rng.choice([None, 40.0]), ce_weight=ce_weight)

@@ -5,7 +5,7 @@ import pytest
 
 import test_logits
 import test_topk_logits
-from randomized import DEVICES, SEEDS, draw, log_uniform, loss_floor, rounding_floor
+from randomized import DEVICES, SEEDS, draw, draw_divergence, log_uniform, loss_floor, rounding_floor
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -20,8 +20,7 @@ def test_randomized(seed, device):
                                              masked_rows=masked)
     if masked:
         options["labels"] = labels
-    weight = round(rng.uniform(0.05, 0.95), 3)  # JSD's beta or the skew KLs' alpha
-    beta = rng.choice([0.0, 1.0, weight, ("skew_forward_kl", weight), ("skew_reverse_kl", weight), ("tvd", 0.0)])
+    beta = draw_divergence(rng)
     print(f"seed {seed}: lead={lead} v={v} beta={beta} {dtype} {options}")
     t, rows = options["temperature"], zs[..., 0].numel()
     spread = (zs.double() - zt.double()).abs().max().item() / t
@@ -34,6 +33,7 @@ def test_randomized(seed, device):
     if masked:
         options["labels"] = labels
     options["normalize"] = rng.choice(["full", "topk"])
+    options["beta"] = draw_divergence(rng) if options["normalize"] == "topk" else 0.0
     print(f"seed {seed}: top-K k={k} {options}")
     size = zs.double().abs().max().item() / t + lps.abs().max().item()
     test_topk_logits.check(zs, ids, lps, device=device, rel_floor=rounding_floor(dtype, size),

@@ -9,7 +9,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import assert_close_to_oracle
+from helpers import TOPK_CASES, assert_close_to_oracle, divergence_kwargs, divergence_of, reference_options
 from nitrobrew import reference
 
 NORMALIZE = ["full", "topk"]
@@ -43,42 +43,43 @@ def values_and_grad(fn, zs, ids, lps, upstream, **options):
     return loss.detach().cpu(), dzs.cpu()
 
 
-def check(zs, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", **options):
+def check(zs, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", beta=0.0, **options):
     """nitrobrew on `device` vs the float64 oracle, within k x the error of the reference in the
-    precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors."""
+    precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors.
+    beta: the divergence, as helpers.divergence_of names it."""
     reduction = options.get("reduction", "mean")
     shape = zs.shape[:-1] if reduction == "none" else ()
     upstream = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     same = torch.float64 if zs.dtype == torch.float64 else torch.float32
 
     def ref(a, i, lp, **kw):
-        return reference.topk_logits(a, i, lp.to(a.dtype), dtype=None, **kw)
+        return reference.topk_logits(a, i, lp.to(a.dtype), dtype=None, **reference_options(beta), **kw)
 
     on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
     loss, dzs = values_and_grad(nitrobrew.logits.topk_kl, to_device(zs, device), ids.to(device), lps.to(device),
-                                upstream, **on_device)
+                                upstream, **on_device, **divergence_kwargs(beta))
     loss64, dzs64 = values_and_grad(ref, zs.double(), ids, lps.double(), upstream, **options)
     loss32, dzs32 = values_and_grad(ref, zs.to(same), ids, lps.to(same), upstream, **options)
     assert loss.dtype == same and dzs.dtype == zs.dtype
-    what = f"normalize={options.get('normalize', 'full')}"
+    what = f"normalize={options.get('normalize', 'full')} {divergence_kwargs(beta)}"
     assert_close_to_oracle(loss, loss64, loss32, k=k, rel_floor=rel_floor, abs_floor=loss_floor, what=f"loss {what}")
     assert_close_to_oracle(dzs, dzs64, dzs32, k=k, rel_floor=rel_floor, what=f"dzs {what}")
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("k", [1, 7, 128])
-def test_values_and_gradients(normalize, reduction, k, device):
+def test_values_and_gradients(normalize, beta, reduction, k, device):
     zs, ids, lps, labels = make_topk(k=k, masked_rows=True)
-    check(zs, ids, lps, normalize=normalize, reduction=reduction, labels=labels, device=device)
+    check(zs, ids, lps, normalize=normalize, beta=beta, reduction=reduction, labels=labels, device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
-def test_dtypes(normalize, dtype, device):
+def test_dtypes(normalize, beta, dtype, device):
     zs, ids, lps, _ = make_topk(lead=(3, 5), v=700, k=16, dtype=dtype)
     floor = torch.finfo(dtype).eps if dtype != torch.float64 else 1e-6  # one output rounding step
-    check(zs, ids, lps, normalize=normalize, reduction="none", rel_floor=floor, device=device)
+    check(zs, ids, lps, normalize=normalize, beta=beta, reduction="none", rel_floor=floor, device=device)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
@@ -89,22 +90,22 @@ def test_teacher_logprob_dtypes(normalize, lp_dtype, device):
     check(zs, ids, lps.to(lp_dtype), normalize=normalize, reduction="none", labels=labels, device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
-def test_temperatures_and_logit_scales(normalize, temperature, scale, device):
+def test_temperatures_and_logit_scales(normalize, beta, temperature, scale, device):
     zs, ids, lps, _ = make_topk(v=500, k=20, scale=scale)
-    check(zs, ids, lps, normalize=normalize, temperature=temperature, reduction="sum", device=device)
+    check(zs, ids, lps, normalize=normalize, beta=beta, temperature=temperature, reduction="sum", device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("k", [12, 300, 4100])  # 4100: above the CUDA backward's limit for sorting ids
-def test_repeated_ids(normalize, k, device):
+def test_repeated_ids(normalize, beta, k, device):
     # An id listed twice counts twice (as in the reference's gather); the CUDA backward writes each
     # id's entry once, with all its occurrences.
     zs, ids, lps, _ = make_topk(v=max(300, k + 200), k=k)
     ids[:, 5] = ids[:, 2]
     ids[3, 7:] = ids[3, 0]
-    check(zs, ids, lps, normalize=normalize, reduction="none", device=device)
+    check(zs, ids, lps, normalize=normalize, beta=beta, reduction="none", device=device)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
@@ -137,14 +138,18 @@ def test_full_vocabulary_ids_give_the_forward_kl(device):
         torch.testing.assert_close(got, nitrobrew.logits.forward_kl(zs, zt, reduction="none"))
 
 
-def test_teacher_entries_of_zero_probability(device):
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
+def test_teacher_entries_of_zero_probability(normalize, beta, device):
     zs, ids, lps, _ = make_topk(v=300, k=10)
     lps[:, ::3] = float("-inf")
-    for normalize in NORMALIZE:
-        lps_ = lps.clone()
-        if normalize == "full":  # a row whose teacher kept no mass: 0, and no gradient ("topk": NaN,
-            lps_[4] = float("-inf")  # test_nonfinite.py)
-        check(zs, ids, lps_, normalize=normalize, reduction="none", device=device)
+    if normalize == "full":  # a row whose teacher kept no mass: 0, and no gradient ("topk": NaN,
+        lps[4] = float("-inf")  # test_nonfinite.py)
+    if divergence_of(beta) == "reverse_kl":  # KL(p || q) where q = 0 < p: +inf, as the reference has it
+        loss = nitrobrew.logits.topk_kl(zs.to(device), ids.to(device), lps.to(device), normalize=normalize,
+                                        reduction="none", **divergence_kwargs(beta))
+        assert (loss == float("inf")).all()
+        return
+    check(zs, ids, lps, normalize=normalize, beta=beta, reduction="none", device=device)
 
 
 def test_teacher_gets_no_gradient_and_ignored_rows_give_zero(device):
@@ -184,17 +189,17 @@ def test_unknown_normalize_is_an_error():
         nitrobrew.logits.topk_kl(zs, ids, lps, normalize="softmax")
 
 
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_opcheck(renormalize, device):
+@pytest.mark.parametrize("renormalize, divergence, weight",
+                         [(False, "forward_kl", 0.0), (True, "forward_kl", 0.0), (True, "skew_reverse_kl", 0.3)])
+def test_opcheck(renormalize, divergence, weight, device):
     zs, ids, lps, labels = make_topk(lead=(6,), v=70, k=5, masked_rows=True)
     zs, ids, lps, labels = zs.to(device), ids.to(device), lps.to(device), labels.to(device)
     zs.requires_grad_()
-    args = (ids, lps, labels, -100, 1.5, renormalize)
-    torch.library.opcheck(torch.ops.nitrobrew.topk_logits_fwd.default, (zs,) + args)
-    _, row_stats = torch.ops.nitrobrew.topk_logits_fwd(zs.detach(), *args)
+    options = (-100, 1.5, renormalize, divergence, weight)
+    torch.library.opcheck(torch.ops.nitrobrew.topk_logits_fwd.default, (zs, ids, lps, labels) + options)
+    _, row_stats = torch.ops.nitrobrew.topk_logits_fwd(zs.detach(), ids, lps, labels, *options)
     torch.library.opcheck(torch.ops.nitrobrew.topk_logits_bwd.default,
-                          (torch.randn(6, device=device), zs.detach(), ids, lps, labels, row_stats, -100, 1.5,
-                           renormalize))
+                          (torch.randn(6, device=device), zs.detach(), ids, lps, labels, row_stats) + options)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

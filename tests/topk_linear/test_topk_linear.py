@@ -10,7 +10,8 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import assert_close_to_oracle, bias_gradient_k
+from helpers import (TOPK_CASES, assert_close_to_oracle, bias_gradient_k, divergence_kwargs, divergence_of,
+                     reference_options)
 from nitrobrew import reference
 
 NORMALIZE = ["full", "topk"]
@@ -49,10 +50,11 @@ def values_and_grads(fn, xs, ws, ids, lps, upstream, bias_s=None, **options):
 
 
 def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cpu", chunk_V=None,
-          grad_in_forward=None, grad_chunk_mib=None, **options):
+          grad_in_forward=None, grad_chunk_mib=None, beta=0.0, **options):
     """nitrobrew on `device` vs the float64 oracle, within k x the error of the reference in the
     precision nitrobrew accumulates in (float32, float64 for float64 inputs). Inputs are CPU tensors.
-    chunk_V, grad_in_forward and grad_chunk_mib are nitrobrew's alone (the path it takes)."""
+    chunk_V, grad_in_forward and grad_chunk_mib are nitrobrew's alone (the path it takes); beta: the
+    divergence, as helpers.divergence_of names it."""
     reduction = options.get("reduction", "mean")
     shape = xs.shape[:-1] if reduction == "none" else ()
     upstream = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -61,12 +63,12 @@ def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cp
         k = max(k, 4.0)  # the CUDA backward rounds dLoss/dz to the inputs' dtype for its GEMMs (helpers.py)
 
     def ref(a, w, i, lp, **kw):
-        return reference.topk_linear(a, w, i, lp, dtype=None, **kw)
+        return reference.topk_linear(a, w, i, lp, dtype=None, **reference_options(beta), **kw)
 
     on_device = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
     ours = values_and_grads(nitrobrew.topk_kl, to_device(xs, device), to_device(ws, device), ids.to(device),
                             lps.to(device), upstream, chunk_V=chunk_V, grad_in_forward=grad_in_forward,
-                            grad_chunk_mib=grad_chunk_mib, **on_device)
+                            grad_chunk_mib=grad_chunk_mib, **on_device, **divergence_kwargs(beta))
 
     def in_dtype(dtype):
         return {key: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
@@ -76,19 +78,19 @@ def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cp
     same_precision = values_and_grads(ref, xs.to(same), ws.to(same), ids, lps.to(same), upstream, **in_dtype(same))
     assert ours[0].dtype == same and ours[1].dtype == xs.dtype and ours[2].dtype == ws.dtype
     assert len(ours) == len(oracle)
-    what = f"normalize={options.get('normalize', 'full')}"
+    what = f"normalize={options.get('normalize', 'full')} {divergence_kwargs(beta)}"
     k_bias = bias_gradient_k(torch.empty(0, dtype=xs.dtype, device=device), k)
     for name, a, o, s in zip(("loss", "dxs", "dws", "dbias_s"), ours, oracle, same_precision):
         assert_close_to_oracle(a, o, s, k=k_bias if name == "dbias_s" else k, rel_floor=rel_floor, abs_floor=loss_floor if name == "loss" else 0.0,
                                what=f"{name} {what}")
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("k", [1, 7, 128])
-def test_values_and_gradients(normalize, reduction, k, device):
+def test_values_and_gradients(normalize, beta, reduction, k, device):
     xs, ws, ids, lps, labels = make_problem(k=k, masked_rows=True)
-    check(xs, ws, ids, lps, normalize=normalize, reduction=reduction, labels=labels, device=device)
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, reduction=reduction, labels=labels, device=device)
 
 
 @pytest.mark.parametrize("normalize", NORMALIZE)
@@ -99,17 +101,17 @@ def test_vocabulary_chunks(normalize, chunk_V, device):
     check(xs, ws, ids, lps, normalize=normalize, reduction="none", labels=labels, chunk_V=chunk_V, device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 20, 328])
-def test_dtypes_and_hidden_sizes(normalize, dtype, d, device):
+def test_dtypes_and_hidden_sizes(normalize, beta, dtype, d, device):
     # d = 64 and 328 take the sm_90a kernels on Hopper (328: 11 K slabs of 32, more than its ring
     # holds); d = 20 rows are not 16-byte multiples (mma.sync, scalar loads).
     if device == "cuda" and dtype == torch.float64:
         pytest.skip("float64 inputs have CPU kernels only (test_float64_is_an_error_on_cuda)")
     xs, ws, ids, lps, _ = make_problem(lead=(3, 45), v=1100, d=d, k=16, dtype=dtype)
     floor = torch.finfo(dtype).eps if dtype != torch.float64 else 1e-6  # one output rounding step
-    check(xs, ws, ids, lps, normalize=normalize, reduction="none", rel_floor=floor, device=device)
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, reduction="none", rel_floor=floor, device=device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sm_90a kernels' tiling; CPU covered above")
@@ -139,54 +141,58 @@ def test_ids_at_tile_edges_and_many_per_tile(dtype, device):
     check(xs, ws, ids, lps, normalize="full", reduction="none", labels=labels, device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("bias,logit_scale", [(True, 1.0), (False, 0.0625), (True, 2.5)])
 @pytest.mark.parametrize("masked,reduction", [(False, "mean"), (True, "none")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bias_and_logit_scale(normalize, bias, logit_scale, masked, reduction, dtype, device):
+def test_bias_and_logit_scale(normalize, beta, bias, logit_scale, masked, reduction, dtype, device):
     # A student with an lm_head bias (std 2 in logit units) and Cohere's or Granite's logit multiplier.
     if device == "cpu" and dtype == torch.bfloat16:
         dtype = torch.float64
     xs, ws, ids, lps, labels = make_problem(k=20, masked_rows=masked, dtype=dtype, v=700)
     bias_s = (torch.randn(700, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 2).to(dtype)
     rel_floor = 1e-12 if dtype == torch.float64 else 1e-6
-    check(xs, ws, ids, lps, normalize=normalize, reduction=reduction, labels=labels if masked else None,
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, reduction=reduction, labels=labels if masked else None,
           temperature=0.8, bias_s=bias_s if bias else None, logit_scale_s=logit_scale, device=device,
           rel_floor=rel_floor, chunk_V=96)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
 @pytest.mark.parametrize("temperature,scale", [(0.1, 3.0), (1.0, 30.0), (10.0, 3.0), (2.0, 1e-3)])
-def test_temperatures_and_logit_scales(normalize, temperature, scale, device):
+def test_temperatures_and_logit_scales(normalize, beta, temperature, scale, device):
     xs, ws, ids, lps, _ = make_problem(v=500, k=20, scale=scale)
-    check(xs, ws, ids, lps, normalize=normalize, temperature=temperature, reduction="sum", device=device)
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, temperature=temperature, reduction="sum", device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
-def test_repeated_ids(normalize, device):
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
+def test_repeated_ids(normalize, beta, device):
     # An id listed twice counts twice (as in the reference's gather); its dLoss/dz entry holds both terms.
     xs, ws, ids, lps, _ = make_problem(v=300, k=12)
     ids[:, 5] = ids[:, 2]
     ids[3, 7:] = ids[3, 0]
-    check(xs, ws, ids, lps, normalize=normalize, reduction="none", device=device)
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, reduction="none", device=device)
 
 
-def test_teacher_entries_of_zero_probability(device):
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
+def test_teacher_entries_of_zero_probability(normalize, beta, device):
     xs, ws, ids, lps, _ = make_problem(v=300, k=10)
     lps[:, ::3] = float("-inf")
-    for normalize in NORMALIZE:
-        lps_ = lps.clone()
-        if normalize == "full":  # a row whose teacher kept no mass: 0, and no gradient ("topk": NaN,
-            lps_[4] = float("-inf")  # test_nonfinite.py)
-        check(xs, ws, ids, lps_, normalize=normalize, reduction="none", device=device)
+    if normalize == "full":  # a row whose teacher kept no mass: 0, and no gradient ("topk": NaN,
+        lps[4] = float("-inf")  # test_nonfinite.py)
+    if divergence_of(beta) == "reverse_kl":  # KL(p || q) where q = 0 < p: +inf, as the reference has it
+        loss = nitrobrew.topk_kl(xs.to(device), ws.to(device), ids.to(device), lps.to(device), normalize=normalize,
+                                 reduction="none", **divergence_kwargs(beta))
+        assert (loss == float("inf")).all()
+        return
+    check(xs, ws, ids, lps, normalize=normalize, beta=beta, reduction="none", device=device)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
-def test_matches_the_loss_from_logits(normalize, device):
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
+def test_matches_the_loss_from_logits(normalize, beta, device):
     dtype = torch.float64 if device == "cpu" else torch.float32
     xs, ws, ids, lps, labels = make_problem(lead=(4, 7), v=600, k=9, masked_rows=True, dtype=dtype)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
-    options = dict(normalize=normalize, temperature=1.7, reduction="none", labels=labels)
+    options = dict(normalize=normalize, temperature=1.7, reduction="none", labels=labels, **divergence_kwargs(beta))
     tolerance = {} if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)  # two float32 products of the logits
     torch.testing.assert_close(nitrobrew.topk_kl(xs, ws, ids, lps, **options),
                                nitrobrew.logits.topk_kl(xs @ ws.T, ids, lps, **options).to(dtype), **tolerance)
@@ -222,14 +228,14 @@ def test_one_gradient(wanted, device):
     torch.testing.assert_close(grad, both[0] if wanted == "xs" else both[1])
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
-def test_non_contiguous_inputs(normalize, device):
+@pytest.mark.parametrize("normalize, beta", TOPK_CASES)
+def test_non_contiguous_inputs(normalize, beta, device):
     # A transposed xs and a ws that is a slice of a wider buffer.
     xs, ws, ids, lps, _ = make_problem(lead=(9,), v=300, d=32, k=8)
     xs_t = xs.t().contiguous().t()
     ws_padded = torch.cat([ws, torch.randn(300, 8)], dim=1)[:, :32]
     assert not xs_t.is_contiguous() and not ws_padded.is_contiguous()
-    check(xs_t, ws_padded, ids, lps, normalize=normalize, reduction="none", device=device)
+    check(xs_t, ws_padded, ids, lps, normalize=normalize, beta=beta, reduction="none", device=device)
 
 
 def test_under_autocast(device):
@@ -296,21 +302,23 @@ def test_unknown_normalize_is_an_error():
 def test_op_rejects_ids_out_of_range_on_the_cpu():
     xs, ws, ids, lps, _ = make_problem(lead=(5,), v=40, k=4)
     with pytest.raises(RuntimeError, match=r"teacher_ids must be in \[0, V = 40\)"):
-        torch.ops.nitrobrew.topk_linear_fwd(xs, ws, ids + 40, lps, None, None, -100, 1.0, 1.0, False, 0)
+        torch.ops.nitrobrew.topk_linear_fwd(xs, ws, ids + 40, lps, None, None, -100, 1.0, 1.0, False, 0,
+                                            "forward_kl", 0.0)
 
 
-@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("renormalize, divergence, weight",
+                         [(False, "forward_kl", 0.0), (True, "forward_kl", 0.0), (True, "jsd", 0.3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_opcheck(renormalize, bias, device):
+def test_opcheck(renormalize, divergence, weight, bias, device):
     xs, ws, ids, lps, labels = make_problem(lead=(6,), v=70, k=5, masked_rows=True)
     xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
     bias_s = torch.randn(70, device=device).requires_grad_() if bias else None
     xs.requires_grad_()
     ws.requires_grad_()
-    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0)
+    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0, divergence, weight)
     torch.library.opcheck(torch.ops.nitrobrew.topk_linear_fwd.default, (xs, ws) + args)
     bias_s = None if bias_s is None else bias_s.detach()
-    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0)
+    args = (ids, lps, labels, bias_s, -100, 1.5, 0.7 if bias else 1.0, renormalize, 0, divergence, weight)
     _, row_stats = torch.ops.nitrobrew.topk_linear_fwd(xs.detach(), ws.detach(), *args)
     for compute in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
         torch.library.opcheck(torch.ops.nitrobrew.topk_linear_bwd.default,

@@ -6,7 +6,7 @@ import torch
 
 import test_topk_linear
 from nitrobrew import reference
-from randomized import DEVICES, SEEDS, draw, log_uniform, loss_floor, rounding_floor
+from randomized import DEVICES, SEEDS, draw, draw_divergence, log_uniform, loss_floor, rounding_floor
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -27,6 +27,7 @@ def test_randomized(seed, device):
     # an lm_head bias and a logit multiplier (drawn last: the earlier draws of a seed stay as they were)
     bias = torch.randn(v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * rng.choice([0.5, 3.0])
     options.update(bias_s=rng.choice([None, bias.to(dtype)]), logit_scale_s=rng.choice([1.0, log_uniform(rng, 0.05, 4.0)]))
+    options["beta"] = draw_divergence(rng) if options["normalize"] == "topk" else 0.0
     print(f"seed {seed}: lead={lead} v={v} d={d} k={k} {dtype} {options}")
     logits = reference.model_logits(xs.double(), ws.double(), logit_scale=options["logit_scale_s"],
                                     bias=None if options["bias_s"] is None else options["bias_s"].double())

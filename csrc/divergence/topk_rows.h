@@ -8,7 +8,7 @@
 
 #include <tuple>
 
-#include "../divergence/topk_params.h"
+#include "topk_params.h"
 
 namespace nitrobrew {
 
@@ -30,6 +30,17 @@ at::Tensor topk_valid_rows(const c10::optional<at::Tensor>& labels, const TopKPa
 std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const at::Tensor& student_norm,
                                                       const at::Tensor& teacher_logprobs, const at::Tensor& valid,
                                                       const TopKParams& p, at::ScalarType acc_dtype);
+
+// normalize="topk" from the student's logits zs [N, V] (the ops from logits; ids in range): the K logits
+// gathered at the ids, then topk_rows_forward (loss float32, float64 for float64 zs). The backward
+// scatters the ids' terms (topk_grad_terms) into a zero gradient [N, V] in zs's dtype; rows that are
+// undefined (nonfinite.h) get a NaN row. acc_dtype as for topk_rows_forward.
+std::tuple<at::Tensor, at::Tensor> topk_gathered_forward(const at::Tensor& zs, const at::Tensor& ids,
+                                                          const at::Tensor& teacher_logprobs, const at::Tensor& valid,
+                                                          const TopKParams& p, at::ScalarType acc_dtype);
+at::Tensor topk_gathered_backward(const at::Tensor& grad_loss, const at::Tensor& zs, const at::Tensor& ids,
+                                  const at::Tensor& teacher_logprobs, const at::Tensor& valid,
+                                  const at::Tensor& row_stats, const TopKParams& p, at::ScalarType acc_dtype);
 
 // Merges R vocabulary shards' parts of each row (nitrobrew.distributed) and finishes the rows as
 // topk_rows_forward does. partials [R, N, 2 + K] float64: each shard's student log-normalizer of

@@ -1,10 +1,12 @@
-#include "topk_linear_rows.h"
+#include "topk_rows.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <limits>
 
-#include "../divergence/nonfinite.h"
+#include "nonfinite.h"
+#include "row_stats.h"
 
 namespace nitrobrew {
 
@@ -47,10 +49,65 @@ TeacherMass teacher_mass(const at::Tensor& lp) {
   return t;
 }
 
-// [N, 1] bool: the rows whose loss and gradient are NaN (topk_row_undefined in nonfinite.h).
-at::Tensor undefined_rows(const at::Tensor& teacher_max, const TopKParams& p) {
-  const at::Tensor undefined = teacher_max.isnan();
-  return p.renormalize ? undefined.logical_or(teacher_max == kNegInf<double>) : undefined;
+// [N, 1] bool: the rows whose loss and gradient are NaN (topk_row_undefined in nonfinite.h), for "full".
+at::Tensor undefined_rows(const at::Tensor& teacher_max) { return teacher_max.isnan(); }
+
+// normalize="topk" is the logit ops' divergence between two [N, K] rows: the student's s = z / tau and the
+// teacher's log-probabilities, taken as logits (log_softmax renormalizes both over the K ids). They run in
+// float64 on the tensors' device (nitrobrew::logits_fwd / logits_bwd, below autograd): the divergences, the
+// non-finite rule and the masking are theirs, one code path for every divergence and both families.
+static_assert(kTopKMax == kMaxS && kTopKLogSum == kLogSumS && kTopKTeacherMax == kMaxT &&
+                  kTopKTeacherLogSum == kLogSumT && kTopKGradCenter == kGradCenter,
+              "the top-K statistics' first columns are the logit ops' (renormalized_rows_forward copies them)");
+
+// The logit ops' labels for the rows that take part: 0 where valid, else their ignore_index, -1.
+constexpr int64_t kSkipRow = -1;
+at::Tensor row_labels(const at::Tensor& valid) {
+  return at::where(valid, at::zeros({}, valid.options().dtype(at::kLong)),
+                   at::full({}, kSkipRow, valid.options().dtype(at::kLong)));
+}
+
+std::tuple<at::Tensor, at::Tensor> logits_forward(const at::Tensor& s, const at::Tensor& t, const at::Tensor& valid,
+                                                  const TopKParams& p) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("nitrobrew::logits_fwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const c10::optional<at::Tensor>&, int64_t, c10::string_view,
+                                                    double, double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(s, t, row_labels(valid), kSkipRow, divergence_name(p.kind), p.weight, 1.0);
+}
+
+at::Tensor logits_backward(const at::Tensor& s, const at::Tensor& t, const at::Tensor& valid,
+                           const at::Tensor& logit_stats, const TopKParams& p) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("nitrobrew::logits_bwd", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const c10::optional<at::Tensor>&, const at::Tensor&, int64_t, c10::string_view, double,
+                            double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const at::Tensor unit = at::ones({s.size(0)}, s.options());
+  return op.call(unit, s, t, row_labels(valid), logit_stats, kSkipRow, divergence_name(p.kind), p.weight, 1.0);
+}
+
+std::tuple<at::Tensor, at::Tensor> renormalized_rows_forward(const at::Tensor& s, const at::Tensor& z64,
+                                                             const at::Tensor& lp, const at::Tensor& valid,
+                                                             const TopKParams& p) {
+  auto [loss, logit_stats] = logits_forward(s, lp, valid, p);
+  const at::Tensor stats = at::cat({logit_stats.narrow(1, 0, kNumTopKRowStats), z64}, 1);
+  return {loss, at::where(valid.unsqueeze(1), stats, at::zeros_like(stats))};
+}
+
+// dLoss/ds [N, K] of the renormalized rows (the upstream gradient 1) from the forward's statistics: the logit
+// ops' backward reads the log-normalizers and the gradient centre, and each entry's s and log-probability.
+// Over vocabulary shards the ids another shard holds have s = -inf and a log-probability of -inf: 0 there.
+at::Tensor renormalized_rows_grad(const at::Tensor& stats, const at::Tensor& s, const at::Tensor& lp,
+                                  const at::Tensor& valid, const TopKParams& p) {
+  at::Tensor logit_stats = at::zeros({stats.size(0), kNumRowStats}, stats.options());
+  logit_stats.narrow(1, 0, kNumTopKRowStats).copy_(stats.narrow(1, 0, kNumTopKRowStats));
+  return logits_backward(s, lp, valid, logit_stats, p);
 }
 
 }  // namespace
@@ -65,28 +122,39 @@ std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const 
                                                       const TopKParams& p, at::ScalarType acc_dtype) {
   const at::Tensor z64 = z.to(at::kDouble);
   const at::Tensor s = scaled_logits(z, p.inv_temperature, acc_dtype);
-  at::Tensor s_max, s_log_sum;
-  if (p.renormalize) {
-    s_max = s.amax(1, /*keepdim=*/true);
-    s_log_sum = (s - s_max).exp().sum(1, /*keepdim=*/true).log();
-  } else {
-    const at::Tensor norm = student_norm.to(at::kDouble);
-    s_max = norm.narrow(1, 0, 1);
-    s_log_sum = norm.narrow(1, 1, 1);
-  }
   const at::Tensor lp = teacher_logprobs.to(at::kDouble);
+  if (p.renormalize) return renormalized_rows_forward(s, z64, lp, valid, p);
+  // "full": forward KL, sum_k q_k (log q_k - log p_{id_k}) with q_k as given.
+  const at::Tensor norm = student_norm.to(at::kDouble);
+  const at::Tensor s_max = norm.narrow(1, 0, 1), s_log_sum = norm.narrow(1, 1, 1);
   const TeacherMass t = teacher_mass(lp);
   const at::Tensor kept = lp != kNegInf<double>;  // q_k = 0 adds nothing (0 log 0 = 0)
-  // log q: as given, or renormalized over the K ids relative to the max (no rounded log-normalizer).
-  const at::Tensor log_q = p.renormalize ? (lp - t.max) - t.log_sum : lp;
   const at::Tensor log_p = (s - s_max) - s_log_sum;
-  const at::Tensor terms = at::where(kept, log_q.exp() * (log_q - log_p), at::zeros_like(log_p));
-  const at::Tensor undefined = valid.unsqueeze(1) & undefined_rows(t.max, p);
+  const at::Tensor terms = at::where(kept, lp.exp() * (lp - log_p), at::zeros_like(log_p));
+  const at::Tensor undefined = valid.unsqueeze(1) & undefined_rows(t.max);
   const at::Tensor active = valid.unsqueeze(1) & t.has_mass & undefined.logical_not();
   at::Tensor loss = at::where(active, terms.sum(1, /*keepdim=*/true), at::zeros_like(s_max));
   loss = at::where(undefined, at::full({}, kNaN<double>, loss.options()), loss).squeeze(1);
-  const at::Tensor stats = at::cat({s_max, s_log_sum, t.max, t.log_sum, z64}, 1);
+  const at::Tensor stats = at::cat({s_max, s_log_sum, t.max, t.log_sum, at::zeros_like(s_max), z64}, 1);
   return {loss, at::where(valid.unsqueeze(1), stats, at::zeros_like(stats))};
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_gathered_forward(const at::Tensor& zs, const at::Tensor& ids,
+                                                          const at::Tensor& teacher_logprobs, const at::Tensor& valid,
+                                                          const TopKParams& p, at::ScalarType acc_dtype) {
+  auto [loss, stats] = topk_rows_forward(zs.gather(1, ids), at::Tensor(), teacher_logprobs, valid, p, acc_dtype);
+  return {loss.to(zs.scalar_type() == at::kDouble ? at::kDouble : at::kFloat), stats};
+}
+
+at::Tensor topk_gathered_backward(const at::Tensor& grad_loss, const at::Tensor& zs, const at::Tensor& ids,
+                                  const at::Tensor& teacher_logprobs, const at::Tensor& valid,
+                                  const at::Tensor& row_stats, const TopKParams& p, at::ScalarType acc_dtype) {
+  const TopKGradTerms terms = topk_grad_terms(row_stats, ids, teacher_logprobs, valid, p, acc_dtype);
+  // Repeated ids carry 0 after their first occurrence, which holds their sum (write_ids).
+  const at::Tensor coef = (terms.id_sparse * grad_loss.to(at::kDouble).unsqueeze(1)).to(zs.scalar_type());
+  at::Tensor dzs = at::zeros({p.num_rows, p.vocab_size}, zs.options().memory_format(at::MemoryFormat::Contiguous));
+  dzs.scatter_add_(1, ids, coef);
+  return dzs.masked_fill_(terms.dense.isnan().unsqueeze(1), kNaN<double>);
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_merge_shards(const at::Tensor& partials, const at::Tensor& teacher_logprobs,
@@ -112,14 +180,16 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
   const at::Tensor s = scaled_logits(stats.narrow(1, kTopKLogitsColumn, p.k), p.inv_temperature, acc_dtype);
   const at::Tensor prob = ((s - s_max) - s_log_sum).exp();  // p_{id_k} (p~_k when renormalized)
   const at::Tensor lp = teacher_logprobs.to(at::kDouble);
-  const at::Tensor undefined = valid.unsqueeze(1) & undefined_rows(t_max, p);
-  const at::Tensor active = valid.unsqueeze(1) & (t_max != kNegInf<double>) & undefined.logical_not();
   const at::Tensor zero = at::zeros({}, stats.options()), nan = at::full({}, kNaN<double>, stats.options());
-  at::Tensor dense, c;  // per row: the dense coefficient; per entry: the sparse term
+  at::Tensor undefined, active, dense, c;  // per row: the dense coefficient; per entry: the sparse term
   if (p.renormalize) {
+    c = renormalized_rows_grad(stats, s, lp, valid, p);  // NaN on the rows the logit ops find undefined
+    undefined = valid.unsqueeze(1) & c.isnan().any(1, /*keepdim=*/true);
+    active = valid.unsqueeze(1) & undefined.logical_not();
     dense = at::zeros_like(s_max);
-    c = prob - ((lp - t_max) - t_log_sum).exp();  // p~_k - q~_k
   } else {
+    undefined = valid.unsqueeze(1) & undefined_rows(t_max);
+    active = valid.unsqueeze(1) & (t_max != kNegInf<double>) & undefined.logical_not();
     dense = (t_max + t_log_sum).exp();  // sum_k q_k
     c = -lp.exp();
   }
