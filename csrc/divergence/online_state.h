@@ -209,11 +209,10 @@ template <typename T>
 NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t) {
   using std::fabs;
   constexpr T kEps = T(4) * T(std::numeric_limits<float>::epsilon());
-  const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
-  if (log_p == kNegInf<T> && log_q == kNegInf<T>) return T(0);
   const T gap = (norm_s.max - norm_t.max) + (norm_s.log_sum - norm_t.log_sum);  // log q - log p where s = t
   if (s == t && fabs(gap) <= kEps * (T(1) + fabs(norm_s.log_sum) + fabs(norm_t.log_sum))) return T(0);
-  return sign_of(log_p - log_q);
+  const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
+  return log_p == log_q ? T(0) : sign_of(log_p - log_q);  // equal: a tie, or p = q = 0 (-inf - -inf is NaN)
 }
 
 // w (log w - log M), the KL term of a side whose log-probability is log_w: 0 where w = 0 (whatever log M: -inf

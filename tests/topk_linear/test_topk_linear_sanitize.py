@@ -53,6 +53,30 @@ def test_every_kernel_once(grad_in_forward):
 
 
 
+def test_topk_divergences_once():
+    # normalize="topk" with each divergence: the logit ops' kernels on the [N, K] float64 rows (K = 1 included),
+    # forward and backward, from hidden states and from logits.
+    dev = "cuda"
+    for (n, v, d, k), (name, weight) in itertools.product(
+            [(70, 1700, 24, 9), (5, 131, 13, 1), (33, 1000, 64, 300)],
+            [("reverse_kl", {}), ("jsd", {"beta": 0.3}), ("skew_forward_kl", {"alpha": 0.2}),
+             ("skew_reverse_kl", {"alpha": 0.7}), ("tvd", {})]):
+        xs = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        ws = torch.randn(v, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.randint(0, v, (n, k), device=dev)
+        ids[:, -1] = ids[:, 0]  # a repeated id
+        lps = torch.log_softmax(torch.randn(n, k, device=dev), -1) - 1.0
+        labels = torch.randint(0, v, (n,), device=dev)
+        labels[::4] = -100
+        zs = (xs.detach().float() @ ws.detach().float().T).requires_grad_()
+        for loss in (nitrobrew.topk_kl(xs, ws, ids, lps, normalize="topk", divergence=name, labels=labels, **weight),
+                     nitrobrew.logits.topk_kl(zs, ids, lps, normalize="topk", divergence=name, labels=labels,
+                                              **weight)):
+            loss.backward()
+        torch.cuda.synchronize()
+        assert torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all() and torch.isfinite(zs.grad).all()
+
+
 @PATHS
 def test_bias_and_logit_scale_once(grad_in_forward):
     # The bias read per tile column and per gathered id, and its gradient (the chunk's products for
