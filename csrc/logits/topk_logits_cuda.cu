@@ -279,6 +279,9 @@ __device__ LogNormalizer<double> full_normalizer(const TopKArgs<T>& a, int64_t n
 template <typename T>
 __device__ void row_norms(const TopKArgs<T>& a, int64_t n, LogNormalizer<double>& student,
                           LogNormalizer<double>& teacher) {
+  // The student's first: the teacher's values live through the stream over the row spilled the 16-bit kernel
+  // on sm_80 (16 bytes at its 40-register bound), once its "topk" branch was gone.
+  student = full_normalizer(a, n);
   const int64_t lp0 = n * a.k;
   double lp_key = kNegInf<double>;
   for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) lp_key = fmax(lp_key, teacher_max_key(a.lps[lp0 + j]));
@@ -288,7 +291,6 @@ __device__ void row_norms(const TopKArgs<T>& a, int64_t n, LogNormalizer<double>
     for (int64_t j = threadIdx.x; j < a.k; j += blockDim.x) mass += exp(a.lps[lp0 + j] - lp_max);
   }
   teacher = block_normalizer(lp_max, mass);
-  student = full_normalizer(a, n);
 }
 
 // Blocks per SM the kernels are compiled for: 6 (<= 40 registers) for 16-bit logits, enough bytes in
@@ -299,7 +301,7 @@ constexpr int RowBlocksPerSM = sizeof(T) == 2 ? 6 : 1;
 
 // Writes loss[n] and the row's statistics: [kNumTopKRowStats + K] columns, the last K the raw
 // logits at the ids (kTopKLogitsColumn, as the ops from hidden states keep them), gathered first so
-// that these scattered loads are in flight with the teacher's reductions. (Finding the ids in the
+// that these scattered loads are in flight with the pass over the row. (Finding the ids in the
 // pass over the row instead, as the backward does, made this kernel slower: 1.17 against 0.87 ms at
 // K = 32, 1.44 against 1.01 at K = 512, 8192 x 152064 bf16.)
 template <typename T>
