@@ -11,7 +11,9 @@ The logits exist before the timed region (they are the input); each run computes
              (the log-probabilities those losses take), where liger_kernel is installed;
   copy       one copy of an [N, V] tensor in the logits' dtype: the device's copy bandwidth.
 With --topk K ..., also nitrobrew.logits.topk_kl (normalize="full") against the teacher's top-K of
-the same logits, and naive PyTorch for it (float32 log_softmax of the student, gather, the K terms).
+the same logits, and naive PyTorch for it (float32 log_softmax of the student, gather, the K terms);
+--topk-renormalized DIVERGENCE ... adds normalize="topk" with those divergences (loss "topk<K>:<divergence>";
+naive: forward KL of the K gathered logits, log_softmax over them; no bytes model: it reads K logits a row).
 A bar plot of the times goes beside the CSV (--replot CSV draws it for a CSV already written).
 Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
 bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD, the skew KLs and TVD twice; backward: both
@@ -79,19 +81,27 @@ def liger_loss(zs, zt, loss):
 METHODS = {"nitrobrew": nitrobrew_loss, "naive": naive_loss, "liger": liger_loss}
 
 
-def topk_methods(ids, lps):
+def topk_methods(ids, lps, divergence=None):
+    """normalize="full" (divergence None), or "topk" with that divergence (weights at their defaults)."""
     def nitrobrew_topk(zs, zt, loss):
-        return nitrobrew.logits.topk_kl(zs, ids, lps, normalize="full")
+        if divergence is None:
+            return nitrobrew.logits.topk_kl(zs, ids, lps, normalize="full")
+        return nitrobrew.logits.topk_kl(zs, ids, lps, normalize="topk", divergence=divergence)
 
     def naive_topk(zs, zt, loss):
-        log_p = F.log_softmax(zs.float(), -1).gather(-1, ids)
-        return (lps.exp() * (lps - log_p)).sum(-1).mean()
+        if divergence is None:
+            log_p, log_q = F.log_softmax(zs.float(), -1).gather(-1, ids), lps
+        else:
+            log_p, log_q = F.log_softmax(zs.float().gather(-1, ids), -1), F.log_softmax(lps, -1)
+        return (log_q.exp() * (log_q - log_p)).sum(-1).mean()
 
     return {"nitrobrew": nitrobrew_topk, "naive": naive_topk}
 
 
 def bytes_moved(loss, mode, n, v, elem):
     matrix = n * v * elem
+    if ":" in loss:  # normalize="topk": K logits a row, and dzs written (no bandwidth to compare)
+        return None
     if loss.startswith("topk"):  # the student's logits once, then again and dzs written
         return matrix + (2 * matrix if mode == "fwd_bwd" else 0)
     forward = (4 if loss in SECOND_PASS else 2) * matrix
@@ -153,6 +163,8 @@ def main():
     p.add_argument("--min-seconds", type=float, default=0.0,
                    help="time at least as many runs as fill this long (more than --repeats for fast calls)")
     p.add_argument("--topk", type=int, nargs="*", default=[], help="also top-K losses with these K")
+    p.add_argument("--topk-renormalized", nargs="*", default=[], metavar="DIVERGENCE",
+                   help='with --topk, also normalize="topk" with these divergences')
     p.add_argument("--out", type=Path)
     p.add_argument("--replot", type=Path, help="only draw the plot of this CSV (beside it, as .png)")
     args = p.parse_args()
@@ -179,6 +191,9 @@ def main():
     for k in args.topk:
         lps, ids = torch.log_softmax(zt.float(), -1).topk(k, dim=-1)
         cases.append((f"topk{k}", topk_methods(ids, lps), [m for m in args.methods if m != "liger"]))
+        for divergence in args.topk_renormalized:
+            cases.append((f"topk{k}:{divergence}", topk_methods(ids, lps, divergence),
+                          [m for m in args.methods if m != "liger"]))
     for loss, methods, names in cases:
         for mode in ("forward", "fwd_bwd"):
             for method in names:
@@ -191,8 +206,8 @@ def main():
                     row.update(status="error")
                     print(f"{method} {loss} {mode}: {short_error(e)}")
                 free_device_memory(device)
-                if method == "nitrobrew" and row["status"] == "ok":
-                    moved = bytes_moved(loss, mode, n, v, zs.element_size())
+                moved = bytes_moved(loss, mode, n, v, zs.element_size())
+                if method == "nitrobrew" and row["status"] == "ok" and moved is not None:
                     gbs = moved / row["median_ms"] / 1e6
                     row.update(bytes_moved=moved, gb_per_s=gbs, fraction_of_copy=gbs / copy_gbs)
                 rows.append(row)

@@ -13,7 +13,8 @@
 #   test_training  the training path's tests alone (gradients in the forward; fused-linear and top-K), auto and
 #                sm_80 kernels
 #   test_topk_logprobs  the teacher's top-K's CUDA tests alone (tests/topk_logprobs -k cuda)
-#   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT
+#   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT (LOGITS_ARGS: more
+#                arguments of benchmarks/logits.py, e.g. "--topk 32 --topk-renormalized forward_kl jsd tvd")
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
@@ -146,7 +147,7 @@ for step in $steps; do
       rm -f "$OUT/topk_rows_bench" ;;
     profile_topk_logprobs) run profile_topk_logprobs python3 tools/profiling/topk_logprobs_kernel_times.py \
                              --out "$OUT/topk_logprobs_kernel_times.csv" ;;
-    bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda --out "$OUT/logits_cuda.csv" ;;
+    bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda ${LOGITS_ARGS:-} --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
     bench_model_options) run bench_model_options python3 benchmarks/fused_linear.py --device cuda --rounds 3 \
                            --methods cublas_gemms nitrobrew nitrobrew_bias nitrobrew_scale \
