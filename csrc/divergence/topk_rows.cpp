@@ -28,9 +28,11 @@ std::tuple<at::Tensor, at::Tensor> sum_over_repeated_ids(const at::Tensor& c, co
   return {at::where(first, summed, at::zeros({}, c.options())), at::where(first, ids, at::full({}, -1, ids.options()))};
 }
 
-// s = z / tau rounded to acc_dtype (the kernels' scale_logit), in float64.
-at::Tensor scaled_logits(const at::Tensor& z, double inv_temperature, at::ScalarType acc_dtype) {
-  return (z.to(acc_dtype) * inv_temperature).to(at::kDouble);
+// s = z / tau in float64: for "full" rounded to acc_dtype first, as the kernels' scale_logit rounds the logits of
+// the student's normalizer over the vocabulary; "topk" forms its normalizer from these s alone, in float64.
+at::Tensor scaled_logits(const at::Tensor& z, const TopKParams& p, at::ScalarType acc_dtype) {
+  if (p.renormalize) return z.to(at::kDouble) * p.inv_temperature;
+  return (z.to(acc_dtype) * p.inv_temperature).to(at::kDouble);
 }
 
 struct TeacherMass {
@@ -121,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const 
                                                       const at::Tensor& teacher_logprobs, const at::Tensor& valid,
                                                       const TopKParams& p, at::ScalarType acc_dtype) {
   const at::Tensor z64 = z.to(at::kDouble);
-  const at::Tensor s = scaled_logits(z, p.inv_temperature, acc_dtype);
+  const at::Tensor s = scaled_logits(z, p, acc_dtype);
   const at::Tensor lp = teacher_logprobs.to(at::kDouble);
   if (p.renormalize) return renormalized_rows_forward(s, z64, lp, valid, p);
   // "full": forward KL, sum_k q_k (log q_k - log p_{id_k}) with q_k as given.
@@ -177,7 +179,7 @@ TopKGradTerms topk_grad_terms(const at::Tensor& row_stats, const at::Tensor& tea
   const at::Tensor stats = row_stats.to(at::kDouble);
   const at::Tensor s_max = stats.narrow(1, kTopKMax, 1), s_log_sum = stats.narrow(1, kTopKLogSum, 1);
   const at::Tensor t_max = stats.narrow(1, kTopKTeacherMax, 1), t_log_sum = stats.narrow(1, kTopKTeacherLogSum, 1);
-  const at::Tensor s = scaled_logits(stats.narrow(1, kTopKLogitsColumn, p.k), p.inv_temperature, acc_dtype);
+  const at::Tensor s = scaled_logits(stats.narrow(1, kTopKLogitsColumn, p.k), p, acc_dtype);
   const at::Tensor prob = ((s - s_max) - s_log_sum).exp();  // p_{id_k} (p~_k when renormalized)
   const at::Tensor lp = teacher_logprobs.to(at::kDouble);
   const at::Tensor zero = at::zeros({}, stats.options()), nan = at::full({}, kNaN<double>, stats.options());

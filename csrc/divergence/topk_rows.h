@@ -22,11 +22,12 @@ at::Tensor topk_valid_rows(const c10::optional<at::Tensor>& labels, const TopKPa
 // The loss [N] (float64) and the row statistics [N, kTopKLogitsColumn + K] (float64) from the K
 // student logits z [N, K] (before the temperature) and, for normalize="full", the student's
 // log-normalizer of z / tau over the vocabulary as [N, 2] (max, log of the sum relative to it);
-// for "topk" it is renormalized over the K logits and student_norm is not read. Rows that are
-// masked or whose teacher kept no mass get loss 0; masked rows' statistics are 0; rows that the
-// non-finite rule (divergence/nonfinite.h) makes undefined get a NaN loss and NaN gradient terms.
-// acc_dtype is the kernels' accumulation dtype (float32, float64 for float64 inputs): s = z / tau is
-// rounded to it, as the kernels round it, so that the largest logit's log-probability is exact.
+// for "topk" it is renormalized over the K logits (the logit ops' row, any divergence: topk_rows.cpp) and
+// student_norm is not read. Rows that are masked (or, for "full", whose teacher kept no mass) get loss 0;
+// masked rows' statistics are 0; rows that the non-finite rule (divergence/nonfinite.h) makes undefined get
+// a NaN loss and NaN gradient terms. acc_dtype is the kernels' accumulation dtype (float32, float64 for
+// float64 inputs): for "full", s = z / tau is rounded to it, as the kernels round it, so that the largest
+// logit's log-probability is exact; "topk" keeps s in float64 (its normalizer is formed from s alone).
 std::tuple<at::Tensor, at::Tensor> topk_rows_forward(const at::Tensor& z, const at::Tensor& student_norm,
                                                       const at::Tensor& teacher_logprobs, const at::Tensor& valid,
                                                       const TopKParams& p, at::ScalarType acc_dtype);
