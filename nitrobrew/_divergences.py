@@ -44,7 +44,7 @@ WEIGHTS = {"jsd": ("beta", 0.5), "skew_forward_kl": ("alpha", 0.1), "skew_revers
 
 
 def check_name(divergence: str, argument: str = "loss") -> str:
-    if divergence not in SUMMARIES:
+    if not isinstance(divergence, str) or divergence not in SUMMARIES:
         names = ", ".join(repr(name) for name in DIVERGENCES)
         raise ValueError(f"{argument} must be one of {names}, got {divergence!r}")
     return divergence

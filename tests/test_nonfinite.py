@@ -14,7 +14,7 @@ import torch
 
 import nitrobrew
 from conftest import CUDA
-from helpers import divergence_of, reference_options, weight_kwargs
+from helpers import divergence_kwargs, divergence_of, reference_options, weight_kwargs
 from nitrobrew import _checks, reference
 
 NAN, INF = float("nan"), float("inf")
@@ -148,43 +148,38 @@ def _spoil_teacher(case, lps, normalize):
     return True
 
 
-# (normalize, divergence, its weight keyword): "topk" rows are the logit-level ops' rows, for every divergence.
-TOPK_LOSSES = [("full", "forward_kl", {}), ("topk", "forward_kl", {}), ("topk", "jsd", {"beta": 0.4}),
-               ("topk", "tvd", {})]
-
-
-def _reference_weight(weight: dict) -> float:
-    return next(iter(weight.values()), 0.0)
+# (normalize, a test's divergence): "topk" rows are the logit-level ops' rows, for every divergence.
+TOPK_LOSSES = [("full", 0.0), ("topk", 0.0), ("topk", 0.4), ("topk", ("tvd", 0.0))]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("normalize, divergence, weight", TOPK_LOSSES)
+@pytest.mark.parametrize("normalize, beta", TOPK_LOSSES)
 @pytest.mark.parametrize("case", TOPK_CASES)
-def test_topk_from_logits(device, normalize, divergence, weight, case):
+def test_topk_from_logits(device, normalize, beta, case):
     xs, ws, ids, lps = _topk_problem()
     zs = xs @ ws.T
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         zs[BAD, ids[BAD, 0]] = NAN
     check_against_reference(lambda a: nitrobrew.logits.topk_kl(a, ids.to(device), lps.float().to(device), normalize=normalize,
-                                    reduction="none", divergence=divergence, **weight),
+                                    reduction="none", **divergence_kwargs(beta)),
                             lambda a: reference.topk_logits(a, ids, lps, normalize=normalize, reduction="none",
-                                                            divergence=divergence, beta=_reference_weight(weight)),
+                                                            **reference_options(beta)),
                             zs, device, undefined=undefined)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("normalize, divergence, weight", TOPK_LOSSES)
+@pytest.mark.parametrize("normalize, beta", TOPK_LOSSES)
 @pytest.mark.parametrize("case", TOPK_CASES)
-def test_topk_from_hidden_states(device, normalize, divergence, weight, case):
+def test_topk_from_hidden_states(device, normalize, beta, case):
     xs, ws, ids, lps = _topk_problem()
     undefined = _spoil_teacher(case, lps, normalize)
     if case == "nan student logit":
         xs[BAD, 1] = NAN
     check_against_reference(lambda a: nitrobrew.topk_kl(a, ws.float().to(device), ids.to(device), lps.float().to(device),
-                             normalize=normalize, reduction="none", divergence=divergence, **weight),
+                             normalize=normalize, reduction="none", **divergence_kwargs(beta)),
                             lambda a: reference.topk_linear(a, ws, ids, lps, normalize=normalize, reduction="none",
-                                                            divergence=divergence, beta=_reference_weight(weight)),
+                                                            **reference_options(beta)),
                             xs, device, undefined=undefined)
 
 

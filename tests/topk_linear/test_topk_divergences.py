@@ -86,6 +86,7 @@ def test_tvd_against_one_minus_the_overlap(family, device):
 @pytest.mark.parametrize("options, error, match", [
     (dict(divergence="jsd"), ValueError, 'normalize="full" takes divergence="forward_kl" only'),
     (dict(normalize="topk", divergence="kl"), ValueError, "divergence must be one of"),
+    (dict(normalize="topk", divergence=["jsd"]), ValueError, "divergence must be one of"),
     (dict(normalize="topk", divergence="tvd", beta=0.5), ValueError, "beta is the weight of 'jsd' only"),
     (dict(normalize="topk", divergence="jsd", alpha=0.5), ValueError, "alpha is the weight of 'skew_forward_kl'"),
     (dict(normalize="topk", divergence="forward_kl", alpha=0.5), ValueError, "alpha is the weight"),
