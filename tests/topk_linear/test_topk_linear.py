@@ -11,7 +11,7 @@ import torch
 import nitrobrew
 from conftest import CUDA
 from helpers import (TOPK_CASES, assert_close_to_oracle, bias_gradient_k, divergence_kwargs, divergence_of,
-                     reference_options)
+                     linear_slacks, reference_options, row_weights, topk_tvd_slack)
 from nitrobrew import reference
 
 NORMALIZE = ["full", "topk"]
@@ -80,9 +80,17 @@ def check(xs, ws, ids, lps, *, k=2.0, rel_floor=1e-6, loss_floor=0.0, device="cp
     assert len(ours) == len(oracle)
     what = f"normalize={options.get('normalize', 'full')} {divergence_kwargs(beta)}"
     k_bias = bias_gradient_k(torch.empty(0, dtype=xs.dtype, device=device), k)
-    for name, a, o, s in zip(("loss", "dxs", "dws", "dbias_s"), ours, oracle, same_precision):
-        assert_close_to_oracle(a, o, s, k=k_bias if name == "dbias_s" else k, rel_floor=rel_floor, abs_floor=loss_floor if name == "loss" else 0.0,
-                               what=f"{name} {what}")
+    slacks = [None] * len(ours)
+    if divergence_of(beta) == "tvd":
+        bias = options.get("bias_s")
+        zs = reference.model_logits(xs.double(), ws.double(), bias=None if bias is None else bias.double(),
+                                    logit_scale=options.get("logit_scale_s", 1.0))
+        weights = row_weights(upstream, xs.shape[:-1], options.get("labels"), reduction)
+        dz = topk_tvd_slack(zs, ids, lps.double(), weights, xs.dtype, options.get("temperature", 1.0))
+        slacks[1:] = linear_slacks(dz * abs(options.get("logit_scale_s", 1.0)), xs, ws, bias)
+    for name, a, o, s, slack in zip(("loss", "dxs", "dws", "dbias_s"), ours, oracle, same_precision, slacks):
+        assert_close_to_oracle(a, o, s, k=k_bias if name == "dbias_s" else k, rel_floor=rel_floor,
+                               abs_floor=loss_floor if name == "loss" else 0.0, slack=slack, what=f"{name} {what}")
 
 
 @pytest.mark.parametrize("normalize, beta", TOPK_CASES)
