@@ -1,6 +1,5 @@
 // Numerics shared by every kernel, CPU and CUDA, that know nothing of any loss: the host/device
-// qualifier, -infinity, exponentials, the logit transforms (temperature, soft-cap) and a stable
-// log(exp(a) + exp(b)).
+// qualifier, -infinity, exponentials and the logit transforms (temperature, soft-cap).
 #pragma once
 
 #include <cmath>
@@ -65,24 +64,17 @@ NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
   return T(1) - r * r;
 }
 
-// The exponential of the row math; the CUDA kernels pass a faster one for 16-bit inputs (the
-// special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
+// The exponential (and the mixtures' logarithm) of the row math; the CUDA kernels pass faster ones for 16-bit
+// inputs (the special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
 struct StdExp {
   template <typename T>
   NB_HOST_DEVICE T operator()(T x) const {
     return exp_(x);
   }
+  template <typename T>
+  NB_HOST_DEVICE T log(T x) const {
+    return log_(x);
+  }
 };
-
-// log(exp(a) + exp(b)) for finite a, b. exp(lo - hi) is in (0, 1]: a relative error e of it moves
-// the result by at most e / 2, so a fast exponential costs no more than its own rounding.
-// (lo - hi is -|a - b| exactly: one max and an absolute value instead of two selections.)
-template <typename T, typename Exp = StdExp>
-NB_HOST_DEVICE T log_add_exp(T a, T b, Exp exp = Exp{}) {
-  using std::fabs;
-  using std::fmax;
-  using std::log1p;
-  return fmax(a, b) + log1p(exp(-fabs(a - b)));
-}
 
 }  // namespace nitrobrew

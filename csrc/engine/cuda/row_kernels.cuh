@@ -27,6 +27,13 @@ struct RowExp {
       return exp(x);
     }
   }
+  __device__ __forceinline__ acc_t log(acc_t x) const {  // the mixture's log u, u in (0, 1] (online_state.h)
+    if constexpr (sizeof(T) == 2) {
+      return __logf(x);
+    } else {
+      return ::log(x);
+    }
+  }
 };
 
 // Element v of row n of a [N, V] matrix at any strides.

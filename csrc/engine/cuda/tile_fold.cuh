@@ -28,6 +28,13 @@ struct PassExp {
       return expf(x);
     }
   }
+  __device__ __forceinline__ float log(float x) const {  // the mixture's log u, u in (0, 1] (online_state.h)
+    if constexpr (sizeof(T) == 2) {
+      return __logf(x);
+    } else {
+      return logf(x);
+    }
+  }
 };
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
