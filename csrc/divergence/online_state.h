@@ -186,12 +186,13 @@ struct DivergenceParams {
   T log_beta;       // log(beta), -inf at beta = 0 (has_mixture only)
 };
 
-// One entry's mixture M = (1 - beta) p + beta q, formed from d = log p - log q with one exponential and one
-// logarithm (log-add-exp form: an exponential and a log1p more). With L the larger side and S the smaller,
-// r = e^{-|d|} = S / L and u = M / L = w_L + w_S r, which lies in [min(w), 1]: log L - log M = -log u
-// and log S - log M = -(|d| + log u) are formed without subtracting two log-probabilities of the row's size
-// (log p - log M as such lost ~3 ulps of log p against a result 10x smaller: skew reverse KL at alpha = 0.9,
-// randomized seeds 505, 820, 1142). Entries where p = q = 0 are the callers' to drop (d is NaN there).
+// One entry's mixture M = (1 - beta) p + beta q, formed from d = log p - log q with two exponentials (r and
+// the larger side) and one log; the log-add-exp form took an exponential and a log1p on top of one
+// exponential per side. With L the larger side and S the smaller, r = e^{-|d|} = S / L and
+// u = M / L = w_L + w_S r, which lies in [min(w), 1]: log L - log M = -log u and log S - log M = -(|d| + log u)
+// are formed without subtracting two log-probabilities of the row's size (log p - log M as such lost ~3 ulps
+// of log p against a result 10x smaller: skew reverse KL at alpha = 0.9, randomized seeds 505, 820, 1142).
+// Entries where p = q = 0 are the callers' to drop (d is NaN there).
 template <typename T>
 struct Mixture {
   T p, q;                    // L = e^{log L}, S = L r
@@ -217,7 +218,10 @@ NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q
   const T larger = exp(p_larger ? log_p : log_q), smaller = larger * r;
   const T w_larger = p_larger ? d.one_minus_beta : d.beta, w_smaller = p_larger ? d.beta : d.one_minus_beta;
   const T u = w_larger + w_smaller * r;
-  const T log_u = w_larger == T(0) ? (p_larger ? d.log_beta : d.log_1m_beta) - abs_d : exp.log(u);
+  // u - 1 = w_S (r - 1) (w_L + w_S = 1): u itself rounds at 1's ulp, all of log u where it is small (p ~ M,
+  // small weights; peaked rows in float32: 1.5-3x the log-add-exp form's error). log_near_one picks.
+  const T log_u = w_larger == T(0) ? (p_larger ? d.log_beta : d.log_1m_beta) - abs_d
+                                   : exp.log_u(u, w_smaller * (r - T(1)));
   Mixture<T> m;
   m.p = p_larger ? larger : smaller;
   m.q = p_larger ? smaller : larger;

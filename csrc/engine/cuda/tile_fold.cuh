@@ -28,11 +28,12 @@ struct PassExp {
       return expf(x);
     }
   }
-  __device__ __forceinline__ float log(float x) const {  // the mixture's log u, u in (0, 1] (online_state.h)
+  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
+  __device__ __forceinline__ float log_u(float u, float u_minus_1) const {
     if constexpr (sizeof(T) == 2) {
-      return __logf(x);
+      return __logf(u);
     } else {
-      return logf(x);
+      return log_near_one(u, u_minus_1);
     }
   }
 };
