@@ -217,22 +217,17 @@ NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q
   const T r = exp(-abs_d);
   const T larger = exp(p_larger ? log_p : log_q), smaller = larger * r;
   const T w_larger = p_larger ? d.one_minus_beta : d.beta, w_smaller = p_larger ? d.beta : d.one_minus_beta;
-  // u and its rounding error (the product's by an FMA, the sum's by TwoSum): log u = log(u_rounded) + error / u.
-  // u rounded alone loses, at 1's ulp, all of log u where it is small (p ~ M, small weights; peaked rows in
-  // float32: 1.5-3x the log-add-exp form's error); log1p(u - 1) alone loses u where it is small (JSD at
-  // beta = 0.999: 16x). One log, and the 1 / u that q / M needs anyway. (16-bit CUDA inputs skip the correction.)
-  const T product = w_smaller * r;
-  const T u = w_larger + product;
-  const T u_error = fma_(w_smaller, r, -product) + two_sum_error(w_larger, product, u);
-  const T inv_u = exp.reciprocal(u);
+  const T u = w_larger + w_smaller * r;
+  // u - 1 = w_S (r - 1) (w_L + w_S = 1): u itself rounds at 1's ulp, all of log u where it is small (p ~ M,
+  // small weights; peaked rows in float32: 1.5-3x the log-add-exp form's error). log_near_one picks.
   const T log_u = w_larger == T(0) ? (p_larger ? d.log_beta : d.log_1m_beta) - abs_d
-                                   : exp.log_corrected(u, u_error, inv_u);
+                                   : exp.log_u(u, w_smaller * (r - T(1)));
   Mixture<T> m;
   m.p = p_larger ? larger : smaller;
   m.q = p_larger ? smaller : larger;
   m.log_p_over_m = p_larger ? -log_u : -(abs_d + log_u);
   m.log_q_over_m = p_larger ? -(abs_d + log_u) : -log_u;
-  m.q_over_m = m.q == T(0) ? T(0) : (p_larger ? r : T(1)) * inv_u;
+  m.q_over_m = m.q == T(0) ? T(0) : (p_larger ? r : T(1)) / u;
   return m;
 }
 

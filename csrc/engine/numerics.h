@@ -64,34 +64,25 @@ NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
   return T(1) - r * r;
 }
 
+// log u from u and u - 1 formed without rounding at 1 (the mixtures' u = M / L, online_state.h): log1p where u
+// is near 1, where u itself would have rounded at 1's ulp; log(u) where it is not, where u - 1 near -1 would
+// make log1p's argument lose u's relative precision (JSD at beta = 0.999: 16x the float32 reference's error).
 template <typename T>
-NB_HOST_DEVICE T fma_(T a, T b, T c) {
-  using std::fma;
-  return fma(a, b, c);
+NB_HOST_DEVICE T log_near_one(T u, T u_minus_1) {
+  using std::log1p;
+  return u_minus_1 > T(-0.5) ? log1p(u_minus_1) : log_(u);
 }
 
-// (a + b) - sum exactly, where sum is a + b rounded (Knuth's TwoSum: adds only, so no FMA contraction).
-template <typename T>
-NB_HOST_DEVICE T two_sum_error(T a, T b, T sum) {
-  const T b_part = sum - a;
-  return (a - (sum - b_part)) + (b - b_part);
-}
-
-// The exponential (and the mixtures' log and reciprocal) of the row math; the CUDA kernels pass faster ones for 16-bit
+// The exponential (and the mixtures' log u) of the row math; the CUDA kernels pass faster ones for 16-bit
 // inputs (the special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
 struct StdExp {
   template <typename T>
   NB_HOST_DEVICE T operator()(T x) const {
     return exp_(x);
   }
-  // log(u + error) for u rounded with its rounding error, given 1 / u (the mixtures' log u, online_state.h).
   template <typename T>
-  NB_HOST_DEVICE T log_corrected(T u, T error, T inv_u) const {
-    return log_(u) + error * inv_u;
-  }
-  template <typename T>
-  NB_HOST_DEVICE T reciprocal(T x) const {
-    return T(1) / x;
+  NB_HOST_DEVICE T log_u(T u, T u_minus_1) const {
+    return log_near_one(u, u_minus_1);
   }
 };
 

@@ -27,20 +27,12 @@ struct RowExp {
       return exp(x);
     }
   }
-  // The mixtures' log u and 1 / u (online_state.h): for 16-bit inputs the special-function unit's, without
-  // the correction for u's rounding.
-  __device__ __forceinline__ acc_t log_corrected(acc_t u, acc_t error, acc_t inv_u) const {
+  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
+  __device__ __forceinline__ acc_t log_u(acc_t u, acc_t u_minus_1) const {
     if constexpr (sizeof(T) == 2) {
       return __logf(u);
     } else {
-      return ::log(u) + error * inv_u;
-    }
-  }
-  __device__ __forceinline__ acc_t reciprocal(acc_t x) const {
-    if constexpr (sizeof(T) == 2) {
-      return __fdividef(acc_t(1), x);
-    } else {
-      return acc_t(1) / x;
+      return log_near_one(u, u_minus_1);
     }
   }
 };

@@ -28,20 +28,12 @@ struct PassExp {
       return expf(x);
     }
   }
-  // The mixtures' log u and 1 / u (online_state.h): for 16-bit inputs the special-function unit's, without
-  // the correction for u's rounding.
-  __device__ __forceinline__ float log_corrected(float u, float error, float inv_u) const {
+  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
+  __device__ __forceinline__ float log_u(float u, float u_minus_1) const {
     if constexpr (sizeof(T) == 2) {
       return __logf(u);
     } else {
-      return logf(u) + error * inv_u;
-    }
-  }
-  __device__ __forceinline__ float reciprocal(float x) const {
-    if constexpr (sizeof(T) == 2) {
-      return __fdividef(float(1), x);
-    } else {
-      return float(1) / x;
+      return log_near_one(u, u_minus_1);
     }
   }
 };
