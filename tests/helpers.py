@@ -123,7 +123,9 @@ def tvd_slack(s, t, row_weight, dtype):
     s, t = s.detach().cpu().double(), t.detach().cpu().double()
     log_p, log_q = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
     magnitude = sum(torch.where(x.isfinite(), x, torch.zeros_like(x)).abs().amax(-1, keepdim=True) for x in (s, t))
-    tie = (log_p - log_q).abs() <= 8 * eps * (magnitude + torch.log(torch.tensor(float(s.shape[-1]))))
+    gap = (log_p - log_q).abs()
+    # An exact float64 tie (equal rows) has sign 0 in the oracle and, by tvd_sign's rule, in the kernels: no slack.
+    tie = (gap <= 8 * eps * (magnitude + torch.log(torch.tensor(float(s.shape[-1]))))) & (gap != 0)
     p = log_p.exp()
     tied = torch.where(tie, p, torch.zeros_like(p))
     return row_weight.abs().unsqueeze(-1) * (tied + p * (tied.sum(-1, keepdim=True) + 2 * eps))

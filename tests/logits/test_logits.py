@@ -73,6 +73,28 @@ def to_device(t, device):
     return out.copy_(t)
 
 
+def test_tvd_slack_admits_rounding_only():
+    # The TVD tolerance (helpers.tvd_slack) must not pass a wrong gradient: a sign flipped on an entry that is not
+    # within rounding of a tie fails, rows equal on both sides get none for ties (only the centre's rounding, 2 ulps
+    # of p), and the oracle itself passes.
+    zs, zt, _ = make_logits((6,), 300, dtype=torch.float64)
+    zt[0] = zs[0]
+    upstream = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    z = zs.clone().requires_grad_()
+    loss = reference.logits(z, zt, beta=0.0, divergence="tvd", reduction="none", dtype=None)
+    (grad,) = torch.autograd.grad(loss, z, upstream)
+    slack = tvd_slack(zs, zt, row_weights(upstream, (6,), None, "none"), torch.float32)
+    assert slack[0].max() <= 2 * torch.finfo(torch.float32).eps * upstream[0].abs()
+    assert slack.max() < 1e-4 * grad.abs().max()
+    assert_close_to_oracle(grad, grad, grad.float(), slack=slack)
+    wrong = grad.clone()
+    v = grad[1].abs().argmax()
+    p = torch.softmax(zs[1], -1)[v]
+    wrong[1, v] -= upstream[1] * p * torch.sign(grad[1, v] / upstream[1])  # that entry's sign taken as the other
+    with pytest.raises(AssertionError):
+        assert_close_to_oracle(wrong, grad, grad.float(), slack=slack, rel_floor=0.0)
+
+
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none", "batchmean"])
 def test_values_and_gradients(beta, reduction, device):
