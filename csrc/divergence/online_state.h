@@ -227,7 +227,7 @@ NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q
   m.q = p_larger ? smaller : larger;
   m.log_p_over_m = p_larger ? -log_u : -(abs_d + log_u);
   m.log_q_over_m = p_larger ? -(abs_d + log_u) : -log_u;
-  m.q_over_m = m.q == T(0) ? T(0) : (p_larger ? r : T(1)) / u;
+  m.q_over_m = m.q == T(0) ? T(0) : exp.over_u(p_larger ? r : T(1), u);
   return m;
 }
 

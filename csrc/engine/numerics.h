@@ -87,6 +87,11 @@ struct StdExp {
   NB_HOST_DEVICE T log_u(T u, T u_minus_1) const {
     return log_near_one(u, u_minus_1);
   }
+  // a / u for the mixtures' q / M = (r or 1) / u, u in [min(w), 1].
+  template <typename T>
+  NB_HOST_DEVICE T over_u(T a, T u) const {
+    return a / u;
+  }
 };
 
 }  // namespace nitrobrew
