@@ -28,7 +28,7 @@ NB_HOST_DEVICE constexpr bool has_second_pass(Divergence k) {
   return k != Divergence::kForwardKL && k != Divergence::kReverseKL;
 }
 
-// Divergences of a mixture M = (1 - beta) p + beta q (log_mixture).
+// Divergences of a mixture M = (1 - beta) p + beta q (mixture).
 NB_HOST_DEVICE constexpr bool has_mixture(Divergence k) {
   return k == Divergence::kJSD || k == Divergence::kSkewForwardKL || k == Divergence::kSkewReverseKL;
 }
@@ -186,12 +186,49 @@ struct DivergenceParams {
   T log_beta;       // log(beta), -inf at beta = 0 (has_mixture only)
 };
 
-// log M for M = (1 - beta) p + beta q. The forward and backward of one kernel family must pass the
-// same `exp`: the backward's centre is the forward's sum of terms of the same log M. NaN where p and
-// q are both 0 (its callers drop those entries).
+// One entry's mixture M = (1 - beta) p + beta q, formed from d = log p - log q with two exponentials (r and
+// the larger side) and one log; the log-add-exp form took an exponential and a log1p on top of one
+// exponential per side. With L the larger side and S the smaller, r = e^{-|d|} = S / L and
+// u = M / L = w_L + w_S r, which lies in [min(w), 1]: log L - log M = -log u and log S - log M = -(|d| + log u)
+// are formed without subtracting two log-probabilities of the row's size (log p - log M as such lost ~3 ulps
+// of log p against a result 10x smaller: skew reverse KL at alpha = 0.9, randomized seeds 505, 820, 1142).
+// Entries where p = q = 0 are the callers' to drop (d is NaN there).
+template <typename T>
+struct Mixture {
+  T p, q;                    // L = e^{log L}, S = L r
+  T log_p_over_m, log_q_over_m;
+  T q_over_m;
+};
+
+// log p - log q of an entry with scaled logits s, t: the differences to the rows' maxima first (exact where
+// an entry is near its maximum), then the log-sums' difference.
+template <typename T>
+NB_HOST_DEVICE T log_ratio(T s, T t, const LogNormalizer<T>& norm_s, const LogNormalizer<T>& norm_t) {
+  return ((s - norm_s.max) - (t - norm_t.max)) - (norm_s.log_sum - norm_t.log_sum);
+}
+
+// A skew KL at alpha = 1 weighs the larger side 0 (M is the other side): u = r is then logged as -|d|, which does
+// not underflow. q / M is 0 where q = 0 (0 / 0 there at alpha = 1).
 template <typename T, typename Exp = StdExp>
-NB_HOST_DEVICE T log_mixture(const DivergenceParams<T>& d, T log_p, T log_q, Exp exp = Exp{}) {
-  return log_add_exp(d.log_1m_beta + log_p, d.log_beta + log_q, exp);
+NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q, T log_p_over_q, Exp exp = Exp{}) {
+  using std::fabs;
+  const bool p_larger = !(log_p_over_q < T(0));  // NaN: either way, every quantity below is NaN
+  const T abs_d = fabs(log_p_over_q);
+  const T r = exp(-abs_d);
+  const T larger = exp(p_larger ? log_p : log_q), smaller = larger * r;
+  const T w_larger = p_larger ? d.one_minus_beta : d.beta, w_smaller = p_larger ? d.beta : d.one_minus_beta;
+  const T u = w_larger + w_smaller * r;
+  // u - 1 = w_S (r - 1) (w_L + w_S = 1): u itself rounds at 1's ulp, all of log u where it is small (p ~ M,
+  // small weights; peaked rows in float32: 1.5-3x the log-add-exp form's error). log_near_one picks.
+  const T log_u = w_larger == T(0) ? (p_larger ? d.log_beta : d.log_1m_beta) - abs_d
+                                   : exp.log_u(u, w_smaller * (r - T(1)));
+  Mixture<T> m;
+  m.p = p_larger ? larger : smaller;
+  m.q = p_larger ? smaller : larger;
+  m.log_p_over_m = p_larger ? -log_u : -(abs_d + log_u);
+  m.log_q_over_m = p_larger ? -(abs_d + log_u) : -log_u;
+  m.q_over_m = m.q == T(0) ? T(0) : exp.over_u(p_larger ? r : T(1), u);
+  return m;
 }
 
 // -1, 0 or 1; NaN for NaN (a row the non-finite rule makes undefined).
@@ -215,11 +252,11 @@ NB_HOST_DEVICE T tvd_sign(T s, T t, const LogNormalizer<T>& norm_s, const LogNor
   return log_p == log_q ? T(0) : sign_of(log_p - log_q);  // equal: a tie, or p = q = 0 (-inf - -inf is NaN)
 }
 
-// w (log w - log M), the KL term of a side whose log-probability is log_w: 0 where w = 0 (whatever log M: -inf
-// or, with the other side 0 too, NaN), NaN where log_w or log M is NaN (the non-finite rule's undefined rows).
-template <typename T, typename Exp>
-NB_HOST_DEVICE T kl_term(T log_w, T log_m, Exp exp) {
-  return log_w == kNegInf<T> ? T(0) : exp(log_w) * (log_w - log_m);
+// w (log w - log M), the KL term of a side of probability w: 0 where w = 0 (whatever log M: -inf or NaN), NaN
+// where w is NaN (the non-finite rule's undefined rows).
+template <typename T>
+NB_HOST_DEVICE T kl_term(T w, T log_w_over_m) {
+  return w == T(0) ? T(0) : w * log_w_over_m;
 }
 
 // The two per-entry terms of the second pass, summed per row over the vocabulary (a, b):
@@ -229,8 +266,7 @@ NB_HOST_DEVICE T kl_term(T log_w, T log_m, Exp exp) {
 //   TVD:              |p - q|,            sign(p - q) p        (sign(0) = 0: tvd_sign; |p - q| as
 //                                                                  sign(p - q) (p - q), 0 at ties)
 // Entries where a side is 0 add 0 (kl_term); a NaN log-normalizer or log-probability makes its row's terms
-// NaN. The product p q / M is formed as an exponential of a sum of log-probabilities: 0 where p or q is 0,
-// never exp(NaN) there.
+// NaN. The product p q / M is p (q / M): 0 where p or q is 0.
 template <typename T>
 struct SecondPassTerms {
   T a, b;
@@ -246,16 +282,12 @@ NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d
     const T p = exp(log_p), sign = tvd_sign(s, t, norm_s, norm_t);
     return {sign * (p - exp(log_q)), sign * p};
   }
-  // Each term formed only in the branch that uses it: formed before the branches, JSD's float64 pass (float32
-  // inputs, the training path's row kernel, sm_90a) went from no spills to 44-76 bytes, its kind a constant.
-  const T log_m = log_mixture(d, log_p, log_q, exp);
-  if (d.kind == Divergence::kJSD) {
-    return {kl_term(log_q, log_m, exp), kl_term(log_p, log_m, exp)};
-  }
-  const T log_pq = log_p + log_q;
-  const T pq_over_m = log_pq == kNegInf<T> ? T(0) : exp(log_pq - log_m);
-  if (d.kind == Divergence::kSkewForwardKL) return {kl_term(log_q, log_m, exp), pq_over_m};
-  return {kl_term(log_p, log_m, exp), pq_over_m};  // the skew reverse KL
+  if (log_p == kNegInf<T> && log_q == kNegInf<T>) return {T(0), T(0)};
+  const Mixture<T> m = mixture(d, log_p, log_q, log_ratio(s, t, norm_s, norm_t), exp);
+  if (d.kind == Divergence::kJSD) return {kl_term(m.q, m.log_q_over_m), kl_term(m.p, m.log_p_over_m)};
+  const T pq_over_m = kl_term(m.p, m.q_over_m);  // p q / M, 0 where p = 0 (q / M may be 0 / 0 there)
+  if (d.kind == Divergence::kSkewForwardKL) return {kl_term(m.q, m.log_q_over_m), pq_over_m};
+  return {kl_term(m.p, m.log_p_over_m), pq_over_m};  // the skew reverse KL
 }
 
 // A row's loss and gradient centre from its second-pass sums over the whole vocabulary.
@@ -295,31 +327,31 @@ NB_HOST_DEVICE SecondPassRow<T> finish_second_pass(const DivergenceParams<T>& d,
 //   TVD:              sum sign(p - q) p;  1/2 p (sign(p - q) - center), with the subgradient
 //                     sign(0) = 0 where p = q (tvd_sign).
 //   forward KL:       unused.
-// `exp` evaluates the probabilities and the mixture (log_mixture). The callers give entries where p = 0
+// `exp` evaluates the probabilities and the mixture's ratio r (mixture). The callers give entries where p = 0
 // (s = -inf) the gradient 0 without calling this, but forward KL's -q.
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE T divergence_grad(const DivergenceParams<T>& d, T s, T t, const LogNormalizer<T>& norm_s,
                                  const LogNormalizer<T>& norm_t, T center, Exp exp = Exp{}) {
   const T log_p = log_prob(s, norm_s), log_q = log_prob(t, norm_t);
-  const T p = exp(log_p);
   switch (d.kind) {
     case Divergence::kForwardKL:
-      return p - exp(log_q);
+      return exp(log_p) - exp(log_q);
     case Divergence::kReverseKL:
-      return p * ((s - t) - center);
-    case Divergence::kSkewForwardKL: {
-      const T q_over_m = log_q == kNegInf<T> ? T(0) : exp(log_q - log_mixture(d, log_p, log_q, exp));
-      return -d.one_minus_beta * p * (q_over_m - center);
-    }
-    case Divergence::kSkewReverseKL: {  // beta = 1 - alpha
-      const T log_m = log_mixture(d, log_p, log_q, exp);
-      const T q_over_m = log_q == kNegInf<T> ? T(0) : exp(log_q - log_m);
-      return p * ((log_p - log_m) + d.beta * q_over_m - center);
-    }
+      return exp(log_p) * ((s - t) - center);
     case Divergence::kTVD:
-      return T(0.5) * p * (tvd_sign(s, t, norm_s, norm_t) - center);
+      return T(0.5) * exp(log_p) * (tvd_sign(s, t, norm_s, norm_t) - center);
     default:
-      return d.one_minus_beta * p * (log_p - log_mixture(d, log_p, log_q, exp) - center);
+      break;
+  }
+  const Mixture<T> m = mixture(d, log_p, log_q, log_ratio(s, t, norm_s, norm_t), exp);
+  if (m.p == T(0)) return T(0);  // p underflowed (the callers drop p = 0 exactly): no q / M of 0 / 0 or inf
+  switch (d.kind) {
+    case Divergence::kSkewForwardKL:
+      return -d.one_minus_beta * m.p * (m.q_over_m - center);
+    case Divergence::kSkewReverseKL:  // beta = 1 - alpha
+      return m.p * (m.log_p_over_m + d.beta * m.q_over_m - center);
+    default:
+      return d.one_minus_beta * m.p * (m.log_p_over_m - center);
   }
 }
 

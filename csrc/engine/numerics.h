@@ -1,6 +1,5 @@
 // Numerics shared by every kernel, CPU and CUDA, that know nothing of any loss: the host/device
-// qualifier, -infinity, exponentials, the logit transforms (temperature, soft-cap) and a stable
-// log(exp(a) + exp(b)).
+// qualifier, -infinity, exponentials and the logit transforms (temperature, soft-cap).
 #pragma once
 
 #include <cmath>
@@ -65,24 +64,34 @@ NB_HOST_DEVICE T softcap_grad_from_capped(T y, T cap) {
   return T(1) - r * r;
 }
 
-// The exponential of the row math; the CUDA kernels pass a faster one for 16-bit inputs (the
-// special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
+// log u from u and u - 1 formed without rounding at 1 (the mixtures' u = M / L, online_state.h): log1p where u
+// is near 1, where u itself would have rounded at 1's ulp; log(u) where it is not, where u - 1 near -1 would
+// make log1p's argument lose u's relative precision (JSD at beta = 0.999: 16x the float32 reference's error).
+// In float64 (float32 inputs' math on CUDA, float64 inputs) log(u) alone is within 1e-16 of log u near 1, far
+// below what the outputs keep; one log, not both candidates (nvcc evaluates both: 11-17% more instructions).
+template <typename T>
+NB_HOST_DEVICE T log_near_one(T u, T u_minus_1) {
+  using std::log1p;
+  if constexpr (sizeof(T) == 8) return log_(u);
+  return u_minus_1 > T(-0.5) ? log1p(u_minus_1) : log_(u);
+}
+
+// The exponential (and the mixtures' log u) of the row math; the CUDA kernels pass faster ones for 16-bit
+// inputs (the special-function unit's, ~2 ulp), whose rounding is far below the inputs'.
 struct StdExp {
   template <typename T>
   NB_HOST_DEVICE T operator()(T x) const {
     return exp_(x);
   }
+  template <typename T>
+  NB_HOST_DEVICE T log_u(T u, T u_minus_1) const {
+    return log_near_one(u, u_minus_1);
+  }
+  // a / u for the mixtures' q / M = (r or 1) / u, u in [min(w), 1].
+  template <typename T>
+  NB_HOST_DEVICE T over_u(T a, T u) const {
+    return a / u;
+  }
 };
-
-// log(exp(a) + exp(b)) for finite a, b. exp(lo - hi) is in (0, 1]: a relative error e of it moves
-// the result by at most e / 2, so a fast exponential costs no more than its own rounding.
-// (lo - hi is -|a - b| exactly: one max and an absolute value instead of two selections.)
-template <typename T, typename Exp = StdExp>
-NB_HOST_DEVICE T log_add_exp(T a, T b, Exp exp = Exp{}) {
-  using std::fabs;
-  using std::fmax;
-  using std::log1p;
-  return fmax(a, b) + log1p(exp(-fabs(a - b)));
-}
 
 }  // namespace nitrobrew

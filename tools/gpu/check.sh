@@ -28,6 +28,10 @@
 #                a 512 MiB chunk of the Qwen and Llama-3 teachers), after its host check; then memcheck and racecheck of
 #                it on a small odd shape. Needs no build step
 #   profile_topk_logprobs  CUDA time per kernel of topk_logprobs (tools/profiling/topk_logprobs_kernel_times.py)
+#   profile_logits  ncu's per-instruction (SASS) view of the logits row kernels, one kernel a run: reports and source
+#                CSVs in $OUT (PROFILE_CASES="loss:dtype:kernel ..."; summarize with tools/profiling/ncu_source_summary.py)
+#   sass         cuobjdump -sass of the .cubin files in SASS_CUBINS (compiled here with nvcc --keep; no disassembler
+#                on the development machine), gzipped into $OUT
 #   bench_checks  what the range checks of ids and labels cost per call (benchmarks/input_checks.py)
 #   bench_model_options  what lm_head biases and logit scales cost the fused-linear loss
 #   hf_step      a whole training step on Hugging Face models (benchmarks/hf_step.py; HF_PAIRS="qwen llama",
@@ -147,6 +151,19 @@ for step in $steps; do
       rm -f "$OUT/topk_rows_bench" ;;
     profile_topk_logprobs) run profile_topk_logprobs python3 tools/profiling/topk_logprobs_kernel_times.py \
                              --out "$OUT/topk_logprobs_kernel_times.csv" ;;
+    profile_logits)  # ncu's per-instruction view of the logits family's row kernels (PROFILE_CASES: loss:dtype:kernel)
+      for spec in ${PROFILE_CASES:-jsd:bfloat16:mixture_pass jsd:bfloat16:kl_pass jsd:bfloat16:grad_kernel \
+                   skew_reverse_kl:bfloat16:mixture_pass tvd:bfloat16:mixture_pass jsd:float32:mixture_pass}; do
+        IFS=: read -r loss dtype kernel <<< "$spec"
+        name="ncu_${loss}_${dtype}_${kernel}"
+        run "$name" ncu --section SourceCounters --section SpeedOfLight --section WarpStateStats -k "regex:$kernel" -c 1 \
+          -f -o "$OUT/$name" python3 tools/profiling/logits_row_kernels.py --loss "$loss" --dtype "$dtype" &&
+          ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass 2> /dev/null | gzip > "$OUT/$name.csv.gz"
+      done ;;
+    sass)  # SASS of the cubins in SASS_CUBINS (a folder carried to the machine; compiled elsewhere with nvcc --keep)
+      for f in "${SASS_CUBINS:?SASS_CUBINS names a folder of .cubin files}"/*.cubin; do
+        cuobjdump -sass "$f" | gzip > "$OUT/$(basename "$f" .cubin).sass.gz"
+      done ;;
     bench_logits) run bench_logits python3 benchmarks/logits.py --device cuda ${LOGITS_ARGS:-} --out "$OUT/logits_cuda.csv" ;;
     bench_checks) run bench_checks python3 benchmarks/input_checks.py --device cuda --out "$OUT/input_checks_cuda.csv" ;;
     bench_model_options) run bench_model_options python3 benchmarks/fused_linear.py --device cuda --rounds 3 \

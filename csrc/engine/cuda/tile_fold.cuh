@@ -28,6 +28,23 @@ struct PassExp {
       return expf(x);
     }
   }
+  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
+  __device__ __forceinline__ float log_u(float u, float u_minus_1) const {
+    if constexpr (sizeof(T) == 2) {
+      return __logf(u);
+    } else {
+      return log_near_one(u, u_minus_1);
+    }
+  }
+  // a / u (the mixture's q / M): the fast division for 16-bit inputs, as their exponential (u is in [min(w), 1],
+  // within __fdividef's range); IEEE division (a subroutine call on its slow path) otherwise.
+  __device__ __forceinline__ float over_u(float a, float u) const {
+    if constexpr (sizeof(T) == 2) {
+      return __fdividef(a, u);
+    } else {
+      return a / u;
+    }
+  }
 };
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
