@@ -147,7 +147,7 @@ def logits_problem(n: int, loss: str, peers: bool, vocab=152064):
 PROBLEMS = {"attention": (attention_problem, (False, True)), "fused_linear": (fused_linear_problem, (False,)),
             "fused_linear_llama": (fused_linear_llama_problem, (False,)),
             "topk_linear": (topk_linear_problem, (32, 128, 512)),
-            "logits": (logits_problem, ("forward_kl", "jsd", "topk_kl"))}
+            "logits": (logits_problem, ("forward_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd", "topk_kl"))}
 
 
 def apply(variant: str, names: set[str]) -> None:
