@@ -10,42 +10,17 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "row_kernels.cuh"
 #include "tile_gemm_sm80.cuh"
 
 namespace nitrobrew {
 namespace cuda {
 
-// The exponential of the passes' sums and gradients: for 16-bit inputs the special-function
-// unit's (__expf: ex2.approx after one multiply, a few ulp, where expf's range reduction takes
-// ~10 instructions per call); the gradients are rounded to 16 bits and the loss error is the
-// tensor-core logits' (docs/notes). float32 inputs keep expf and their tighter accuracy.
+// The exponential, the mixtures' log u and q / M of the passes' sums and gradients: the row kernels' (RowExp) in
+// float. For 16-bit inputs the special-function unit's; the gradients are rounded to 16 bits and the loss error is
+// the tensor-core logits' (docs/notes). float32 inputs keep expf and their tighter accuracy.
 template <typename T>
-struct PassExp {
-  __device__ __forceinline__ float operator()(float x) const {
-    if constexpr (sizeof(T) == 2) {
-      return __expf(x);
-    } else {
-      return expf(x);
-    }
-  }
-  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
-  __device__ __forceinline__ float log_u(float u, float u_minus_1) const {
-    if constexpr (sizeof(T) == 2) {
-      return __logf(u);
-    } else {
-      return log_near_one(u, u_minus_1);
-    }
-  }
-  // a / u (the mixture's q / M): the fast division for 16-bit inputs, as their exponential (u is in [min(w), 1],
-  // within __fdividef's range); IEEE division (a subroutine call on its slow path) otherwise.
-  __device__ __forceinline__ float over_u(float a, float u) const {
-    if constexpr (sizeof(T) == 2) {
-      return __fdividef(a, u);
-    } else {
-      return a / u;
-    }
-  }
-};
+using PassExp = RowExp<T, float>;
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
