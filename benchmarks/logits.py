@@ -15,7 +15,9 @@ the same logits, and naive PyTorch for it (float32 log_softmax of the student, g
 --topk-renormalized DIVERGENCE ... adds normalize="topk" with those divergences (loss "topk<K>:<divergence>";
 naive: forward KL of the K gathered logits, log_softmax over them; no bytes model: it reads K logits a row).
 A bar plot of the times goes beside the CSV (--replot CSV draws it for a CSV already written).
-Columns: median / min ms of --repeats runs after --warmup, peak memory above the inputs (MiB), the
+--rounds R times every case R times, the copy first in each round, methods alternated within it; --dtype takes
+several dtypes. Columns: median over the rounds of each round's median of --repeats runs after --warmup (min: the
+fastest run), peak memory above the inputs (MiB), the
 bytes nitrobrew's kernels must move (forward: both logit matrices once, JSD, the skew KLs and TVD twice; backward: both
 again and dzs written) and, for nitrobrew, those bytes per second as a fraction of the copy's.
 """
@@ -40,7 +42,7 @@ from harness import save_figure, short_error, time_runs, write_csv
 # Each loss with its weight (JSD's beta, the skew KLs' alpha).
 LOSSES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5, "skew_forward_kl": 0.1, "skew_reverse_kl": 0.1, "tvd": 0.0}
 SECOND_PASS = ("jsd", "skew_forward_kl", "skew_reverse_kl", "tvd")  # their forward reads both matrices twice
-COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "median_ms",
+COLUMNS = ["date", "device", "torch", "cuda", "method", "loss", "mode", "dtype", "N", "V", "status", "rounds", "median_ms",
            "min_ms", "runs", "peak_extra_mib", "bytes_moved", "gb_per_s", "fraction_of_copy"]
 
 
@@ -150,12 +152,70 @@ def plot(rows, out):
     save_figure(fig, out)
 
 
+def sweep(args, device, n, v, dtype, today):
+    """Every case of one dtype over args.rounds rounds, each round timing the copy first: one row per case, its
+    median over the rounds (fraction_of_copy: the median of each round's fraction, against that round's copy)."""
+    torch.manual_seed(0)
+    zt = (torch.randn(n, v, device=device) * 2).to(dtype)
+    zs = (zt.float() + torch.randn(n, v, device=device)).to(dtype).requires_grad_()
+    common = {"date": today, "device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda or "",
+              "dtype": str(dtype).removeprefix("torch."), "N": n, "V": v}
+    cases = [(loss, METHODS, args.methods) for loss in args.losses]
+    for k in args.topk:
+        lps, ids = torch.log_softmax(zt.float(), -1).topk(k, dim=-1)
+        cases.append((f"topk{k}", topk_methods(ids, lps), [m for m in args.methods if m != "liger"]))
+        for divergence in args.topk_renormalized:
+            cases.append((f"topk{k}:{divergence}", topk_methods(ids, lps, divergence),
+                          [m for m in args.methods if m != "liger"]))
+    copy_bytes = 2 * n * v * zs.element_size()
+    results = {}  # (method, loss, mode) -> one result a round, with the round's copy bandwidth
+    for r in range(args.rounds):
+        copy = measure("copy", "", "copy", zs.detach(), zt, args)
+        copy_gbs = copy_bytes / copy["median_ms"] / 1e6
+        results.setdefault(("copy", "", "copy"), []).append((copy, copy_gbs))
+        print(f"{dtype} round {r + 1}/{args.rounds}: copy {copy['median_ms']:.2f} ms, {copy_gbs:.0f} GB/s")
+        for loss, methods, names in cases:
+            for mode in ("forward", "fwd_bwd"):
+                for method in names:
+                    try:
+                        res = measure(method, loss, mode, zs, zt, args, methods)
+                    except OOM_ERROR as e:
+                        res = {"status": "oom", "error": short_error(e)}
+                    except Exception as e:  # noqa: BLE001 (a missing peer is reported, the sweep goes on)
+                        res = {"status": "error", "error": short_error(e)}
+                        print(f"{method} {loss} {mode}: {res['error']}")
+                    free_device_memory(device)
+                    results.setdefault((method, loss, mode), []).append((res, copy_gbs))
+    rows = []
+    for (method, loss, mode), runs in results.items():
+        row = {**common, "method": method, "loss": loss, "mode": mode, "rounds": len(runs)}
+        ok = [(res, gbs) for res, gbs in runs if res["status"] == "ok"]
+        if len(ok) < len(runs):
+            row.update(status=next(res["status"] for res, _ in runs if res["status"] != "ok"))
+            rows.append(row)
+            continue
+        medians = [res["median_ms"] for res, _ in ok]
+        row.update(status="ok", median_ms=statistics.median(medians), min_ms=min(res["min_ms"] for res, _ in ok),
+                   runs=sum(res["runs"] for res, _ in ok), peak_extra_mib=max(res["peak_extra_mib"] for res, _ in ok))
+        moved = copy_bytes if method == "copy" else bytes_moved(loss, mode, n, v, zs.element_size())
+        if method in ("nitrobrew", "copy") and moved is not None:
+            row.update(bytes_moved=moved, gb_per_s=moved / row["median_ms"] / 1e6,
+                       fraction_of_copy=statistics.median(moved / res["median_ms"] / 1e6 / gbs for res, gbs in ok))
+        rows.append(row)
+        print(f"{method:10s} {loss:16s} {mode:8s} {row['median_ms']:8.2f} ms  {row['peak_extra_mib']:9.1f} MiB"
+              + (f"  {row['fraction_of_copy']:.2f} of copy" if "fraction_of_copy" in row else "")
+              + (f"  (rounds {min(medians):.2f}-{max(medians):.2f})" if len(medians) > 1 else ""))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     has_cuda = torch.cuda.is_available()
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if has_cuda else "cpu")
     p.add_argument("--shape", default="8192,152064", help="N,V")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16", "float16"], default=["bfloat16"])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds over every case, the copy first in each; medians over the rounds")
     p.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     p.add_argument("--repeats", type=int, default=5)
@@ -174,46 +234,10 @@ def main():
         return
     device = torch.device(args.device)
     n, v = (int(x) for x in args.shape.split(","))
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    zt = (torch.randn(n, v, device=device) * 2).to(dtype)
-    zs = (zt.float() + torch.randn(n, v, device=device)).to(dtype).requires_grad_()
     today = datetime.date.today().isoformat()
-    common = {"date": today, "device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda or "",
-              "dtype": args.dtype, "N": n, "V": v}
     rows = []
-    copy = measure("copy", "", "copy", zs.detach(), zt, args)
-    copy_gbs = 2 * n * v * zs.element_size() / copy["median_ms"] / 1e6
-    rows.append({**common, **copy, "method": "copy", "loss": "", "mode": "copy", "bytes_moved": 2 * n * v * zs.element_size(),
-                 "gb_per_s": copy_gbs, "fraction_of_copy": 1.0})
-    print(f"copy: {copy['median_ms']:.2f} ms, {copy_gbs:.0f} GB/s")
-    cases = [(loss, METHODS, args.methods) for loss in args.losses]
-    for k in args.topk:
-        lps, ids = torch.log_softmax(zt.float(), -1).topk(k, dim=-1)
-        cases.append((f"topk{k}", topk_methods(ids, lps), [m for m in args.methods if m != "liger"]))
-        for divergence in args.topk_renormalized:
-            cases.append((f"topk{k}:{divergence}", topk_methods(ids, lps, divergence),
-                          [m for m in args.methods if m != "liger"]))
-    for loss, methods, names in cases:
-        for mode in ("forward", "fwd_bwd"):
-            for method in names:
-                row = {**common, "method": method, "loss": loss, "mode": mode}
-                try:
-                    row.update(measure(method, loss, mode, zs, zt, args, methods))
-                except OOM_ERROR as e:
-                    row.update(status="oom", error=short_error(e))
-                except Exception as e:  # noqa: BLE001 (a missing peer is reported, the sweep goes on)
-                    row.update(status="error")
-                    print(f"{method} {loss} {mode}: {short_error(e)}")
-                free_device_memory(device)
-                moved = bytes_moved(loss, mode, n, v, zs.element_size())
-                if method == "nitrobrew" and row["status"] == "ok" and moved is not None:
-                    gbs = moved / row["median_ms"] / 1e6
-                    row.update(bytes_moved=moved, gb_per_s=gbs, fraction_of_copy=gbs / copy_gbs)
-                rows.append(row)
-                print(f"{method:10s} {loss:10s} {mode:8s} {row['status']:6s} "
-                      f"{row.get('median_ms', float('nan')):8.2f} ms  {row.get('peak_extra_mib', float('nan')):9.1f} MiB"
-                      + (f"  {row['fraction_of_copy']:.2f} of copy" if "fraction_of_copy" in row else ""))
+    for dtype_name in args.dtype:
+        rows += sweep(args, device, n, v, getattr(torch, dtype_name), today)
     out = args.out or Path(__file__).parent / "results" / f"logits_{args.device}_{today}.csv"
     write_csv(out, COLUMNS, rows)
     plot(rows, out)

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "../divergence/row_stats.h"
+#include "../engine/cuda/fast_math.cuh"
 #include "../engine/cuda/tile_gemm_sm80.cuh"
 #include "attention_kl_kernels.h"
 
@@ -137,15 +138,6 @@ __device__ __forceinline__ void warp_times_tile(float (&out)[kNTiles][4], const 
       mma_16816<T>(out[j + 1], a[k], bf[2], bf[3]);
     }
   }
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x on the special-function unit (what __expf uses after scaling its argument by log2 e).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Max over the 4 lanes that share a row.

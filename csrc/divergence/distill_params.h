@@ -67,8 +67,6 @@ DivergenceParams<T> divergence_params(const DistillParams& p) {
   d.kind = p.kind;
   d.beta = static_cast<T>(p.beta);
   d.one_minus_beta = static_cast<T>(1.0 - p.beta);
-  d.log_1m_beta = has_mixture(p.kind) ? static_cast<T>(std::log1p(-p.beta)) : T(0);
-  d.log_beta = has_mixture(p.kind) ? static_cast<T>(std::log(p.beta)) : T(0);
   return d;
 }
 

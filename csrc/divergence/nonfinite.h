@@ -8,6 +8,7 @@
 #pragma once
 
 #include <limits>
+#include <type_traits>
 
 #include "../engine/numerics.h"
 
@@ -17,9 +18,17 @@ template <typename T>
 constexpr T kNaN = std::numeric_limits<T>::quiet_NaN();
 
 // max(a, b) that keeps a NaN (fmax and std::max drop it): a row's running maximum must not lose a
-// NaN whose neighbours are all -inf.
+// NaN whose neighbours are all -inf. On sm_80 and later GPUs one instruction (max.NaN) for float, where the
+// compare-and-select took three per entry of the row kernels' maxima.
 template <typename T>
 NB_HOST_DEVICE T nan_max(T a, T b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, float>) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+  }
+#endif
   return (a > b || a != a) ? a : b;
 }
 

@@ -182,8 +182,6 @@ struct DivergenceParams {
   Divergence kind;
   T beta;           // the mixture weight of M = (1 - beta) p + beta q (has_mixture)
   T one_minus_beta; // 1 - beta, formed in double: beta near 1 would lose it in float
-  T log_1m_beta;    // log(1 - beta), -inf at beta = 1 (has_mixture only)
-  T log_beta;       // log(beta), -inf at beta = 0 (has_mixture only)
 };
 
 // One entry's mixture M = (1 - beta) p + beta q, formed from d = log p - log q with two exponentials (r and
@@ -207,8 +205,8 @@ NB_HOST_DEVICE T log_ratio(T s, T t, const LogNormalizer<T>& norm_s, const LogNo
   return ((s - norm_s.max) - (t - norm_t.max)) - (norm_s.log_sum - norm_t.log_sum);
 }
 
-// A skew KL at alpha = 1 weighs the larger side 0 (M is the other side): u = r is then logged as -|d|, which does
-// not underflow. q / M is 0 where q = 0 (0 / 0 there at alpha = 1).
+// A skew KL at alpha = 1 may weigh the larger side 0, and then the smaller one exactly 1 (M is the smaller side):
+// u = r is logged as -|d|, which does not underflow. q / M is 0 where q = 0 (0 / 0 there at alpha = 1).
 template <typename T, typename Exp = StdExp>
 NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q, T log_p_over_q, Exp exp = Exp{}) {
   using std::fabs;
@@ -220,8 +218,7 @@ NB_HOST_DEVICE Mixture<T> mixture(const DivergenceParams<T>& d, T log_p, T log_q
   const T u = w_larger + w_smaller * r;
   // u - 1 = w_S (r - 1) (w_L + w_S = 1): u itself rounds at 1's ulp, all of log u where it is small (p ~ M,
   // small weights; peaked rows in float32: 1.5-3x the log-add-exp form's error). log_near_one picks.
-  const T log_u = w_larger == T(0) ? (p_larger ? d.log_beta : d.log_1m_beta) - abs_d
-                                   : exp.log_u(u, w_smaller * (r - T(1)));
+  const T log_u = w_larger == T(0) ? -abs_d : exp.log_u(u, w_smaller * (r - T(1)));
   Mixture<T> m;
   m.p = p_larger ? larger : smaller;
   m.q = p_larger ? smaller : larger;
@@ -282,8 +279,17 @@ NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d
     const T p = exp(log_p), sign = tvd_sign(s, t, norm_s, norm_t);
     return {sign * (p - exp(log_q)), sign * p};
   }
-  if (log_p == kNegInf<T> && log_q == kNegInf<T>) return {T(0), T(0)};
-  const Mixture<T> m = mixture(d, log_p, log_q, log_ratio(s, t, norm_s, norm_t), exp);
+  // Entries where p = q = 0 add 0. In float64 math (float32 inputs) a branch skips them; in float32 math d = 0
+  // there (log p = log q: a select, not a branch per entry) gives p = q = 0 and both terms 0 without one. As a
+  // select, the float64 mixture kernel of the training path spilled (32-48 bytes, sm_90a).
+  T log_p_over_q;
+  if constexpr (sizeof(T) == 8) {
+    if (log_p == kNegInf<T> && log_q == kNegInf<T>) return {T(0), T(0)};
+    log_p_over_q = log_ratio(s, t, norm_s, norm_t);
+  } else {
+    log_p_over_q = log_p == log_q ? T(0) : log_ratio(s, t, norm_s, norm_t);
+  }
+  const Mixture<T> m = mixture(d, log_p, log_q, log_p_over_q, exp);
   if (d.kind == Divergence::kJSD) return {kl_term(m.q, m.log_q_over_m), kl_term(m.p, m.log_p_over_m)};
   const T pq_over_m = kl_term(m.p, m.q_over_m);  // p q / M, 0 where p = 0 (q / M may be 0 / 0 there)
   if (d.kind == Divergence::kSkewForwardKL) return {kl_term(m.q, m.log_q_over_m), pq_over_m};

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../engine/cuda/fast_math.cuh"
 #include "../engine/numerics.h"
 #include "topk_logprobs_limits.h"
 
@@ -36,8 +37,6 @@ constexpr int kRound = kThreads * kPerThread;     // 2048 ids a round
 constexpr int kBuffer = 4096;                     // candidates: those kept (<= k) and a round's worth, twice over
 constexpr int kKept = int(kMaxTopKLogprobsK);     // a selection's survivors, before they move to the buffer's front
 constexpr int kBins = 256;                        // a radix pass's digits (8 bits)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 // The floor of a base-2 exponent: 2^-200 flushes to 0, and a masked logit's exponent (-inf, or NaN for
 // -inf - -inf) becomes this finite value, so that e * d stays 0 rather than 0 * inf.
 constexpr float kMinExponent = -200.f;
@@ -55,12 +54,6 @@ __device__ inline RowSums merge(RowSums a, RowSums b) {
   const float m = fmaxf(a.max, b.max);
   const double da = double(a.max) - m, db = double(b.max) - m, ea = exp(da), eb = exp(db);  // no float overflow
   return {m, ea * a.sum + eb * b.sum, ea * (a.centered + da * a.sum) + eb * (b.centered + db * b.sum)};
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // the special-function unit's, ~2 ulp
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // The output's order as one unsigned key: larger value first, ties to the lower id. The float's bits made
@@ -291,7 +284,7 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
       round_max = fmaxf(round_max, s[c]);
     }
     if (round_max > m) {  // rescale the sums to the new maximum (rare after the first rounds)
-      const float d = fmaxf((m - round_max) * kLog2e, kMinExponent), f = fast_exp2(d);
+      const float d = fmaxf((m - round_max) * kLog2e, kMinExponent), f = exp2_approx(d);
       centered2 = f * (centered2 + d * sum);
       sum *= f;
       m = round_max;
@@ -300,7 +293,7 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
 #pragma unroll
     for (int c = 0; c < kPerThread; ++c) {
       // s - m first: exact for nearby values, where s * log2 e - m * log2 e would carry m's rounding (~1e-8 |m|).
-      const float d = fmaxf((s[c] - m) * kLog2e, kMinExponent), e = fast_exp2(d);
+      const float d = fmaxf((s[c] - m) * kLog2e, kMinExponent), e = exp2_approx(d);
       round_sum += e;
       round_centered = fmaf(e, d, round_centered);
     }

@@ -1,5 +1,5 @@
 // Pieces of the memory-bound row kernels (one block per row: logits/cuda.cu,
-// logits/topk_cuda.cu): conversions, strided rows, block reductions.
+// logits/topk_cuda.cu): conversions, strided rows, block reductions; their exponential is fast_math.cuh's RowExp.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,41 +10,12 @@
 
 #include "../numerics.h"
 #include "cuda_types.h"
+#include "fast_math.cuh"
 
 namespace nitrobrew {
 namespace cuda {
 
 constexpr int kRowThreads = 256;
-
-// exp for the row math: the special-function unit's for 16-bit inputs (as the fused-linear
-// passes), the accurate one for float32 and float64.
-template <typename T, typename acc_t>
-struct RowExp {
-  __device__ __forceinline__ acc_t operator()(acc_t x) const {
-    if constexpr (sizeof(T) == 2) {
-      return __expf(x);
-    } else {
-      return exp(x);
-    }
-  }
-  // log u given u and u - 1 (the mixture's, online_state.h): the special-function unit's log for 16-bit inputs.
-  __device__ __forceinline__ acc_t log_u(acc_t u, acc_t u_minus_1) const {
-    if constexpr (sizeof(T) == 2) {
-      return __logf(u);
-    } else {
-      return log_near_one(u, u_minus_1);
-    }
-  }
-  // a / u (the mixture's q / M): the fast division for 16-bit inputs, as their exponential (u is in [min(w), 1],
-  // within __fdividef's range); IEEE division (a subroutine call on its slow path) otherwise.
-  __device__ __forceinline__ acc_t over_u(acc_t a, acc_t u) const {
-    if constexpr (sizeof(T) == 2) {
-      return __fdividef(a, u);
-    } else {
-      return a / u;
-    }
-  }
-};
 
 // Element v of row n of a [N, V] matrix at any strides.
 template <typename T>
