@@ -14,7 +14,8 @@
 #                sm_80 kernels
 #   test_topk_logprobs  the teacher's top-K's CUDA tests alone (tests/topk_logprobs -k cuda)
 #   bench, bench_topk, bench_logits, bench_attention   each family's benchmark, CSV in $OUT (LOGITS_ARGS: more
-#                arguments of benchmarks/logits.py, e.g. "--topk 32 --topk-renormalized forward_kl jsd tvd")
+#                arguments of benchmarks/logits.py, e.g. "--dtype bfloat16 float32 --rounds 3 --topk 32
+#                --topk-renormalized forward_kl jsd tvd")
 #   bench_training  forward + backward of the training path against the cuBLAS floor, the recompute path
 #                and the plain composition, methods alternated over ROUNDS (3) rounds, on the Qwen and
 #                Llama-3 shapes at TOKENS (4096 8192 16384); LOSS (forward_kl)
