@@ -61,10 +61,19 @@ def non_negative_number(value, name: str) -> float:
     return float(value)
 
 
+# float32's smallest normal number: the kernels hold a mixture's weights in float32, whose special-function log
+# (CUDA, 16-bit inputs) flushes a denormal weight to 0.
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
 def unit_interval(value, name: str) -> float:
+    """A mixture weight (JSD's beta, the skew KLs' alpha): in [0, 1], and 0 or at least FLOAT32_TINY."""
     value = _scalar(value)
     if not _real(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    if 0.0 < float(value) < FLOAT32_TINY:
+        raise ValueError(f"{name} must be 0 or at least {FLOAT32_TINY} (float32's smallest normal number: the "
+                         f"kernels hold it in float32), got {value!r}")
     return float(value)
 
 

@@ -3,8 +3,20 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace nitrobrew {
+namespace {
+
+// A mixture weight in (0, float32's smallest normal) is refused: the kernels hold it in float32, and the CUDA
+// kernels' special-function log of 16-bit inputs flushes it to 0 (log u = -inf: an infinite loss).
+void check_not_denormal(double weight, const char* name) {
+  constexpr double kTiny = std::numeric_limits<float>::min();
+  TORCH_CHECK(!(weight > 0.0 && weight < kTiny), name, " must be 0 or at least ", kTiny,
+              " (float32's smallest normal number: the kernels hold it in float32), got ", weight);
+}
+
+}  // namespace
 
 Divergence parse_divergence(c10::string_view name, double weight) {
   if (name == "forward_kl") return Divergence::kForwardKL;
@@ -16,10 +28,12 @@ Divergence parse_divergence(c10::string_view name, double weight) {
               "got '", name, "'");
   if (skew_forward || skew_reverse) {
     TORCH_CHECK(weight >= 0.0 && weight <= 1.0, "alpha must be in [0, 1], got ", weight);
+    check_not_denormal(weight, "alpha");
     if (weight == 0.0) return skew_forward ? Divergence::kForwardKL : Divergence::kReverseKL;
     return skew_forward ? Divergence::kSkewForwardKL : Divergence::kSkewReverseKL;
   }
   TORCH_CHECK(weight >= 0.0 && weight <= 1.0, "beta must be in [0, 1], got ", weight);
+  check_not_denormal(weight, "beta");
   return weight == 0.0 ? Divergence::kForwardKL : weight == 1.0 ? Divergence::kReverseKL : Divergence::kJSD;
 }
 

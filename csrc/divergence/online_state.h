@@ -280,14 +280,16 @@ NB_HOST_DEVICE SecondPassTerms<T> second_pass_terms(const DivergenceParams<T>& d
     return {sign * (p - exp(log_q)), sign * p};
   }
   // Entries where p = q = 0 add 0. In float64 math (float32 inputs) a branch skips them; in float32 math d = 0
-  // there (log p = log q: a select, not a branch per entry) gives p = q = 0 and both terms 0 without one. As a
-  // select, the float64 mixture kernel of the training path spilled (32-48 bytes, sm_90a).
+  // there (a select, not a branch per entry) gives p = q = 0 and both terms 0 without one. As a select, the float64
+  // mixture kernel of the training path spilled (32-48 bytes, sm_90a). Only both -inf: where equal finite log p and
+  // log q round from an unequal d (log_ratio's is the exact one), d = 0 would drop terms that cancel over the row.
+  const bool both_zero = log_p == kNegInf<T> && log_q == kNegInf<T>;
   T log_p_over_q;
   if constexpr (sizeof(T) == 8) {
-    if (log_p == kNegInf<T> && log_q == kNegInf<T>) return {T(0), T(0)};
+    if (both_zero) return {T(0), T(0)};
     log_p_over_q = log_ratio(s, t, norm_s, norm_t);
   } else {
-    log_p_over_q = log_p == log_q ? T(0) : log_ratio(s, t, norm_s, norm_t);
+    log_p_over_q = both_zero ? T(0) : log_ratio(s, t, norm_s, norm_t);
   }
   const Mixture<T> m = mixture(d, log_p, log_q, log_p_over_q, exp);
   if (d.kind == Divergence::kJSD) return {kl_term(m.q, m.log_q_over_m), kl_term(m.p, m.log_p_over_m)};

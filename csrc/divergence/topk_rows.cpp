@@ -154,9 +154,11 @@ at::Tensor topk_gathered_backward(const at::Tensor& grad_loss, const at::Tensor&
   const TopKGradTerms terms = topk_grad_terms(row_stats, ids, teacher_logprobs, valid, p, acc_dtype);
   // Repeated ids carry 0 after their first occurrence, which holds their sum (write_ids).
   const at::Tensor coef = (terms.id_sparse * grad_loss.to(at::kDouble).unsqueeze(1)).to(zs.scalar_type());
-  at::Tensor dzs = at::zeros({p.num_rows, p.vocab_size}, zs.options().memory_format(at::MemoryFormat::Contiguous));
-  dzs.scatter_add_(1, ids, coef);
-  return dzs.masked_fill_(terms.dense.isnan().unsqueeze(1), kNaN<double>);
+  // Each row filled once with 0, or NaN where the row is undefined (dense is NaN there), then the ids' terms added:
+  // one write of [N, V], where zeros and a masked fill afterwards wrote it twice and read it once.
+  const at::Tensor row_fill = at::where(terms.dense.isnan(), kNaN<double>, 0.0).to(zs.scalar_type()).unsqueeze(1);
+  at::Tensor dzs = row_fill.expand({p.num_rows, p.vocab_size}).contiguous();
+  return dzs.scatter_add_(1, ids, coef);
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_merge_shards(const at::Tensor& partials, const at::Tensor& teacher_logprobs,

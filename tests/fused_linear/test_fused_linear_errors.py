@@ -74,6 +74,17 @@ def test_beta_outside_unit_interval(problem, beta):
         call(problem, fn=nitrobrew.jsd, beta=beta)
 
 
+@pytest.mark.parametrize("fn, name", [(nitrobrew.jsd, "beta"), (nitrobrew.skew_forward_kl, "alpha"),
+                                      (nitrobrew.skew_reverse_kl, "alpha"), (nitrobrew.logits.jsd, "beta")])
+def test_denormal_mixture_weight(problem, fn, name):
+    # float32 holds the weight in the kernels: below its smallest normal number the CUDA kernels' log would flush it
+    with pytest.raises(ValueError, match=f"{name} must be 0 or at least 1.17549"):
+        if fn is nitrobrew.logits.jsd:
+            fn(torch.randn(3, 7), torch.randn(3, 7), beta=1e-40)
+        else:
+            call(problem, fn=fn, **{name: 1e-40})
+
+
 def test_label_out_of_vocabulary_with_cross_entropy(problem):
     labels = torch.tensor([0, 1, 2, 50, -100, 3])
     with pytest.raises(IndexError, match=r"labels\[3\] = 50 is outside \[0, V = 50\)"):
@@ -117,6 +128,9 @@ def test_op_checks_its_inputs_when_called_directly(problem):
     with pytest.raises(RuntimeError, match="beta must be in"):
         torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "jsd", 1.5, 1.0, 0.0, None, None,
                                              1.0, 1.0, 50, 0)
+    with pytest.raises(RuntimeError, match="beta must be 0 or at least"):
+        torch.ops.nitrobrew.fused_linear_fwd(xs, xt, ws, wt, None, None, None, -100, "jsd", 1e-40, 1.0, 0.0, None,
+                                             None, 1.0, 1.0, 50, 0)
 
 
 @pytest.mark.parametrize("fn", [nitrobrew.forward_kl, nitrobrew.reverse_kl, nitrobrew.logits.forward_kl,
