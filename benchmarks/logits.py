@@ -228,6 +228,8 @@ def main():
     p.add_argument("--out", type=Path)
     p.add_argument("--replot", type=Path, help="only draw the plot of this CSV (beside it, as .png)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.replot:
         with open(args.replot) as f:
             plot(list(csv.DictReader(f)), args.replot)

@@ -175,6 +175,33 @@ def test_topk_logprobs_benchmark_smoke(tmp_path):
     assert all(len(row["round_medians_ms"].split()) == 2 and float(row["ratio_to_gemm"]) > 0 for row in rows), rows
 
 
+def test_logits_benchmark_smoke(tmp_path):
+    # benchmarks/logits.py on the CPU: two dtypes over 2 rounds, each round's copy first; one row a case, its
+    # fraction of a copy the median of the rounds' (so within the rounds' spread of bytes / median / copy); a bad
+    # --rounds is a usage error.
+    import csv
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "logits.csv"
+    script = str(ROOT / "benchmarks" / "logits.py")
+    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "16,300", "--dtype", "float32",
+                             "bfloat16", "--rounds", "2", "--repeats", "1", "--warmup", "0", "--losses", "forward_kl",
+                             "jsd", "--methods", "nitrobrew", "naive", "--topk", "4", "--topk-renormalized", "tvd",
+                             "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    # per dtype: the copy, then (forward_kl, jsd, topk4, topk4:tvd) x 2 modes x 2 methods
+    assert len(rows) == 2 * (1 + 4 * 2 * 2) and all(row["status"] == "ok" for row in rows), rows
+    assert {row["dtype"] for row in rows} == {"float32", "bfloat16"} and all(row["rounds"] == "2" for row in rows)
+    for row in rows:
+        has_fraction = row["method"] == "copy" or (row["method"] == "nitrobrew" and ":" not in row["loss"])
+        assert bool(row["fraction_of_copy"]) == has_fraction, row
+    assert all(float(row["fraction_of_copy"]) == 1.0 for row in rows if row["method"] == "copy")
+    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--rounds", "0"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr, bad.stderr
+
+
 def test_topk_linear_benchmark_smoke(tmp_path):
     # benchmarks/topk_linear.py on the CPU: the gemm floor and both methods measured once per round over 2
     # rounds, every ratio taken to the floor of its mode; a bad --rounds is a usage error.

@@ -300,7 +300,6 @@ struct TwoRowKL {
         for (int c = 0; c < kNumAttentionRowStats; ++c) stats[c] = 0.f;
         continue;
       }
-      constexpr float kLn2 = 0.6931471805599453f;
       KLState<float> kl;
       kl.w = {ref_w[r] * kLn2, total_w};
       kl.o = {ref_o[r] * kLn2, total_o};

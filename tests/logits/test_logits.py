@@ -150,6 +150,20 @@ def test_masked_vocabulary_entries(beta, device):
     check(zs, zt, beta=beta, reduction="none", device=device)
 
 
+@pytest.mark.parametrize("beta", [0.5, *NEW_DIVERGENCES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_vocabulary_entries_16bit(beta, dtype, device):
+    # On CUDA, 16-bit logits take the second pass in float32 math, where p = q = 0 entries (the same entries -inf
+    # in both models) go through the mixture with d = 0 rather than a branch: their terms must be exactly 0, not
+    # NaN (d itself is -inf - -inf there). The CPU's mixture math is float64 with the branch.
+    zs, zt, _ = make_logits(lead=(2, 9), v=1030, dtype=dtype)
+    pad = torch.zeros(1030, dtype=torch.bool)
+    pad[512:700] = True
+    pad[::5] = True
+    zs, zt = zs.masked_fill(pad, float("-inf")), zt.masked_fill(pad, float("-inf"))
+    check(zs, zt, beta=beta, reduction="none", rel_floor=torch.finfo(dtype).eps, device=device)
+
+
 def test_masked_entries_of_one_model(device):
     # q = 0 where only the teacher is -inf: forward KL finite; p = 0 where only the student is: reverse
     # KL finite. Both finite, gradients finite, against the reference. JSD is finite either way (its
