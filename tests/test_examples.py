@@ -20,6 +20,13 @@ def run_example(name, *args, tmp_path):
     return result.stdout
 
 
+def run_benchmark(name, *args):
+    """benchmarks/NAME with ARGS on the checkout's nitrobrew: the finished process (not checked)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
 def test_a_missing_dependency_names_the_pip_command(tmp_path):
     # transformers hidden by a package of that name that is not there: the example stops with the pip command.
     fake = tmp_path / "hidden" / "transformers"
@@ -181,13 +188,10 @@ def test_logits_benchmark_smoke(tmp_path):
     # --rounds is a usage error.
     import csv
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "logits.csv"
-    script = str(ROOT / "benchmarks" / "logits.py")
-    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "16,300", "--dtype", "float32",
-                             "bfloat16", "--rounds", "2", "--repeats", "1", "--warmup", "0", "--losses", "forward_kl",
-                             "jsd", "--methods", "nitrobrew", "naive", "--topk", "4", "--topk-renormalized", "tvd",
-                             "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    result = run_benchmark("logits.py", "--device", "cpu", "--shape", "16,300", "--dtype", "float32", "bfloat16",
+                           "--rounds", 2, "--repeats", 1, "--warmup", 0, "--losses", "forward_kl", "jsd", "--methods",
+                           "nitrobrew", "naive", "--topk", 4, "--topk-renormalized", "tvd", "--out", out)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(out.open()))
     # per dtype: the copy, then (forward_kl, jsd, topk4, topk4:tvd) x 2 modes x 2 methods
@@ -197,8 +201,7 @@ def test_logits_benchmark_smoke(tmp_path):
         has_fraction = row["method"] == "copy" or (row["method"] == "nitrobrew" and ":" not in row["loss"])
         assert bool(row["fraction_of_copy"]) == has_fraction, row
     assert all(float(row["fraction_of_copy"]) == 1.0 for row in rows if row["method"] == "copy")
-    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--rounds", "0"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    bad = run_benchmark("logits.py", "--device", "cpu", "--rounds", 0)
     assert bad.returncode == 2 and "--rounds" in bad.stderr, bad.stderr
 
 
@@ -207,12 +210,9 @@ def test_topk_linear_benchmark_smoke(tmp_path):
     # rounds, every ratio taken to the floor of its mode; a bad --rounds is a usage error.
     import csv
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = tmp_path / "topk_linear.csv"
-    script = str(ROOT / "benchmarks" / "topk_linear.py")
-    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "40,300,32", "--topk", "4",
-                             "--dtype", "float32", "--rounds", "2", "--repeats", "1", "--warmup", "0", "--out",
-                             str(out)], capture_output=True, text=True, env=env, timeout=600)
+    result = run_benchmark("topk_linear.py", "--device", "cpu", "--shape", "40,300,32", "--topk", 4, "--dtype",
+                           "float32", "--rounds", 2, "--repeats", 1, "--warmup", 0, "--out", out)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 2 + 2 * 2 * 2 and all(row["status"] == "ok" for row in rows), rows
@@ -221,15 +221,13 @@ def test_topk_linear_benchmark_smoke(tmp_path):
     for row in rows:
         assert abs(float(row["ratio_to_gemm"]) - float(row["median_ms"]) / floor[row["mode"]]) < 2e-3 * float(
             row["ratio_to_gemm"]), row
-    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--rounds", "0"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    bad = run_benchmark("topk_linear.py", "--device", "cpu", "--rounds", 0)
     assert bad.returncode == 2 and "--rounds" in bad.stderr, bad.stderr
     # The training-step methods: the training path and the composition time "full" fwd + bwd alone.
     out2 = tmp_path / "topk_linear_paths.csv"
-    result = subprocess.run([sys.executable, script, "--device", "cpu", "--shape", "40,300,32", "--topk", "4",
-                             "--dtype", "float32", "--rounds", "1", "--repeats", "1", "--warmup", "0", "--methods",
-                             "nitrobrew_training", "nitrobrew_recompute", "composition", "--out", str(out2)],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = run_benchmark("topk_linear.py", "--device", "cpu", "--shape", "40,300,32", "--topk", 4, "--dtype",
+                           "float32", "--rounds", 1, "--repeats", 1, "--warmup", 0, "--methods", "nitrobrew_training",
+                           "nitrobrew_recompute", "composition", "--out", out2)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(out2.open()))
     timed = sorted((row["method"], row["normalize"], row["mode"]) for row in rows if row["method"] != "gemm")
