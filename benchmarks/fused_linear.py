@@ -227,6 +227,57 @@ def _cublas_gemms(xs, xt, ws, wt, *, loss, reduction):
     return per_row if reduction == "none" else per_row.mean()
 
 
+class _StoredProductsFloor(torch.autograd.Function):
+    """The training path's design with its row math replaced by ATen's memory-bound kernels: what the design
+    costs if its row kernels ran at the speed of a reduction and a copy. Chunks of 4096 tokens, steps of 512
+    rows of float32 products (nitrobrew::products, the path's own op), both read once (row maxima, for the
+    statistics), then read again while G is written in the inputs' dtype (a copy of the student's products):
+    the 26 bytes a column of docs/notes/fused_linear_training_path.md. Then dxs = G . ws and dws += G^T . xs
+    per chunk, as the path does. With reads=1 the first read is skipped: 18 bytes a column, the design whose
+    statistics are folded into the products' epilogue at no cost. Its loss is a placeholder (not a divergence)."""
+
+    chunk, step = 4096, 512
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, reads):
+        from nitrobrew._registration import ops
+
+        vocab = ws.shape[0]
+        dxs, dws = torch.empty_like(xs), torch.zeros_like(ws)
+        total = torch.zeros((), device=xs.device)
+        for c0 in range(0, xs.shape[0], _StoredProductsFloor.chunk):
+            c1 = min(xs.shape[0], c0 + _StoredProductsFloor.chunk)
+            g = torch.empty((c1 - c0, vocab), dtype=xs.dtype, device=xs.device)
+            for r0 in range(c0, c1, _StoredProductsFloor.step):
+                r1 = min(c1, r0 + _StoredProductsFloor.step)
+                zs, zt = ops.products(xs[r0:r1], ws, vocab), ops.products(xt[r0:r1], wt, vocab)
+                if reads == 2:
+                    total += zs.amax(1).sum() - zt.amax(1).sum()  # pass 1: both read
+                total += zt.amax(1).sum()  # pass 2: both read (again), G written
+                g[r0 - c0:r1 - c0].copy_(zs)
+            dxs[c0:c1] = g @ ws
+            dws.addmm_(g.T, xs[c0:c1])
+        ctx.save_for_backward(dxs, dws)
+        return total / max(xs.shape[0], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dxs, dws = ctx.saved_tensors
+        return dxs * grad, None, dws * grad, None, None
+
+
+def _floor_copy_rows(reads):
+    def run(xs, xt, ws, wt, *, loss, reduction):
+        if reduction == "none":  # a training step's floor: no forward mode (its row is recorded as "n/a")
+            raise NotImplementedError("the floor_copy_rows methods are training steps (mode fwd_bwd)")
+        return _StoredProductsFloor.apply(xs, xt, ws, wt, reads)
+    return run
+
+
+method("floor_copy_rows")(_floor_copy_rows(2))
+method("floor_copy_rows_once")(_floor_copy_rows(1))
+
+
 @torch.compile(dynamic=False)
 def _fold_chunk(zs, zt, m_s, l_s, m_t, l_t, a):
     # Online forward-KL state over one vocabulary chunk: a = sum exp(t - m_t) (t - s).
@@ -330,6 +381,8 @@ def measure(spec):
         baseline = memory_baseline(device)
         times = time_runs(run, device, spec["warmup"], spec["repeats"])
         extra = peak_extra_mib(device, baseline)
+    except NotImplementedError:  # a method without this mode (floor_copy_rows' forward)
+        return {"status": "n/a"}
     except Exception as e:  # noqa: BLE001 -- one failed row must not end the sweep; it is recorded
         # The CPU allocator raises a plain RuntimeError, not OutOfMemoryError, when malloc fails.
         if isinstance(e, OOM_ERROR) or "can't allocate memory" in str(e):
