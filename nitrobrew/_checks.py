@@ -135,8 +135,8 @@ TOPK_NORMALIZATIONS = ("full", "topk")
 
 def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Size, vocab: int | None, of: str) -> None:
     """The top-K teacher's [..., K] ids (int64) and log-probabilities (floating, same shape, leading shape
-    of `of`), 1 <= K <= vocab, and a known normalization. vocab None (a sharded vocabulary): K >= 1, and
-    the ids' range is checked where the whole vocabulary is known (nitrobrew.distributed)."""
+    of `of`), 1 <= K <= vocab, and a known normalization. vocab None: a sharded vocabulary (K >= 1). The ids'
+    range is topk_ids', once the labels are known."""
     tensor(teacher_ids, "teacher_ids")
     tensor(teacher_logprobs, "teacher_logprobs")
     if teacher_ids.dtype != torch.int64:
@@ -151,8 +151,6 @@ def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Siz
     k = teacher_ids.shape[-1]
     if not 1 <= k <= (vocab if vocab is not None else max(k, 1)):
         raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {vocab}], got {k}")
-    if vocab is not None:
-        ids_in_range(teacher_ids, vocab, "teacher_ids")
 
 
 def host_checks_possible(t: Tensor) -> bool:
@@ -173,26 +171,76 @@ def ids_in_range(ids: Tensor, vocab: int, name: str, ignore_index: int | None = 
     is possible (host_checks_possible)."""
     if ids.numel() == 0 or not host_checks_possible(ids):
         return
-    outside = (ids < 0) | (ids >= vocab)
-    if ignore_index is not None:
-        outside &= ids != ignore_index
+    outside = _outside(ids, vocab, ignore_index)
     if bool(outside.any()):
-        position = tuple(int(i) for i in outside.nonzero()[0])
-        value = int(ids[position])
-        allowed = "" if ignore_index is None else f" and is not ignore_index ({ignore_index})"
-        count = int(outside.sum())
-        message = (f"{name}{list(position)} = {value} is outside [0, V = {vocab}){allowed}; {count} of the {ids.numel()} "
-                   f"entries {'is' if count == 1 else 'are'} outside it")
-        if value < 0:  # -1 and the like mark padding
-            message += (". A negative id usually marks padding: leave such positions out of the loss with labels "
-                        "equal to ignore_index (-100 by default)" if ignore_index is None else
-                        f". A negative id usually marks padding: give those positions ignore_index ({ignore_index})")
-        raise IndexError(message)
+        _raise_outside(ids, outside, vocab, name, ignore_index)
+
+
+def _outside(ids: Tensor, vocab: int, ignore_index: int | None) -> Tensor:
+    outside = (ids < 0) | (ids >= vocab)
+    return outside if ignore_index is None else outside & (ids != ignore_index)
+
+
+def _raise_outside(ids: Tensor, outside: Tensor, vocab: int, name: str, ignore_index: int | None) -> None:
+    position = tuple(int(i) for i in outside.nonzero()[0])
+    value = int(ids[position])
+    allowed = "" if ignore_index is None else f" and is not ignore_index ({ignore_index})"
+    count = int(outside.sum())
+    message = (f"{name}{list(position)} = {value} is outside [0, V = {vocab}){allowed}; {count} of the {ids.numel()} "
+               f"entries {'is' if count == 1 else 'are'} outside it")
+    if value < 0:  # -1 and the like mark padding
+        message += (". A negative id usually marks padding: leave such positions out of the loss with labels "
+                    "equal to ignore_index (-100 by default)" if ignore_index is None else
+                    f". A negative id usually marks padding: give those positions ignore_index ({ignore_index})")
+    raise IndexError(message)
+
+
+# How far a row's teacher mass sum_k exp(teacher_logprobs) may exceed 1 with normalize="full": the rounding of
+# 16-bit log-probabilities (2^-9 relative each) moves it by well under this.
+TOPK_MASS_SLACK = 2.0**-6
+
+
+def topk_ids(teacher_ids: Tensor, teacher_logprobs: Tensor, normalize: str, labels: Tensor | None, ignore_index: int,
+             vocab: int | None) -> Tensor:
+    """teacher_ids with the masked rows' ids (labels == ignore_index) set to 0, after checking the rows the loss
+    reads: ids in [0, vocab), and with normalize="full" log-probabilities whose probabilities sum to at most 1
+    (probabilities or logits passed as log-probabilities give a loss without meaning; "topk" renormalizes, so
+    any logits do). The loss reads no masked row, and padded positions often carry ids of -1 there. vocab None: a
+    sharded vocabulary, whose range nitrobrew.distributed checks where the whole vocabulary is known. One host
+    read for both checks (ids_in_range's); rows of a non-finite mass are the non-finite rule's, not an error."""
+    kept = None if labels is None else (labels != ignore_index)
+    if kept is not None:
+        teacher_ids = torch.where(kept.unsqueeze(-1), teacher_ids, torch.zeros_like(teacher_ids))
+    if teacher_ids.numel() == 0 or not host_checks_possible(teacher_ids):
+        return teacher_ids
+    outside = _outside(teacher_ids, vocab, None) if vocab is not None else None
+    excess = None
+    if normalize == "full":
+        mass = teacher_logprobs.detach().float().exp().sum(-1)
+        excess = (mass > 1.0 + TOPK_MASS_SLACK) & mass.isfinite()
+        if kept is not None:
+            excess &= kept
+    flags = [f.any() for f in (outside, excess) if f is not None]
+    if not flags or not any(torch.stack(flags).tolist()):
+        return teacher_ids
+    if outside is not None and bool(outside.any()):
+        _raise_outside(teacher_ids, outside, vocab, "teacher_ids", None)
+    row = tuple(int(i) for i in excess.nonzero()[0])
+    raise ValueError(f"teacher_logprobs must be log-probabilities: with normalize=\"full\" the probabilities "
+                     f"exp(teacher_logprobs) of a row sum to at most 1, but row {list(row)}'s sum to "
+                     f"{float(mass[row]):.4g} ({int(excess.sum())} such rows). Pass the teacher's log_softmax at "
+                     f"its top-K ids (nitrobrew.topk_logprobs gives them), or normalize=\"topk\", which "
+                     f"renormalizes over the K ids and takes logits as they are")
 
 
 def logits_hint(x: Tensor, w: Tensor) -> str:
-    """A hint for hidden states whose last dimension is the vocabulary: logits passed to a hidden-state op."""
+    """A hint for hidden states x: [..., D] that do not match w: [V, D] where x's last dimension is w's first:
+    logits passed to a hidden-state op (w taller than wide, as [V, D] is), or w transposed (wider than tall: a
+    [D, V] matrix; an lm_head's weight is [V, D])."""
     if x.dim() >= 1 and w.dim() == 2 and x.shape[-1] == w.shape[0] and x.shape[-1] != w.shape[1]:
+        if w.shape[0] < w.shape[1]:
+            return (f" (a [D, V] matrix? it must be [V, D], as lm_head.weight is: pass the weight untransposed, "
+                    f"not {tuple(w.shape)})")
         return (f" ({tuple(x.shape)}'s last dimension is the vocabulary size V = {w.shape[0]}: for logits, use "
                 "nitrobrew.logits)")
     return ""

@@ -57,6 +57,21 @@ def weight_kwargs(divergence: str, beta: float = 0.5, alpha: float = 0.1) -> dic
     return {} if name is None else {name: beta if name == "beta" else alpha}
 
 
+def chosen_weight(divergence: str, beta: float | None, alpha: float | None) -> dict:
+    """The weight keyword of a divergence's public function ({"beta": ...}, {"alpha": ...} or {}) from optional
+    beta and alpha: a missing weight takes its default, and a weight the divergence does not take is an error
+    (silently ignored, it would train another loss than the one asked for)."""
+    taken = WEIGHTS.get(divergence, (None,))[0]
+    for name, value in (("beta", beta), ("alpha", alpha)):
+        if value is not None and name != taken:
+            users = " and ".join(repr(d) for d, (w, _) in WEIGHTS.items() if w == name)
+            raise ValueError(f"{name} is the weight of {users} only, got it with {divergence!r}")
+    if taken is None:
+        return {}
+    value = beta if taken == "beta" else alpha
+    return {taken: _checks.unit_interval(WEIGHTS[divergence][1] if value is None else value, taken)}
+
+
 def topk_weight(divergence: str, normalize: str, beta: float | None, alpha: float | None) -> float:
     """The ops' weight of topk_kl(divergence=, beta=, alpha=), after checking the pair: jsd takes beta (default 0.5),
     the skew KLs alpha (default 0.1), the others neither; normalize="full" takes forward_kl only."""
@@ -65,15 +80,7 @@ def topk_weight(divergence: str, normalize: str, beta: float | None, alpha: floa
         raise ValueError(f'normalize="full" takes divergence="forward_kl" only, got {divergence!r}: the other '
                          f'divergences need the teacher\'s probabilities beyond its K ids; use normalize="topk", '
                          f'which renormalizes both sides over them')
-    taken = WEIGHTS.get(divergence, (None,))[0]
-    for name, value in (("beta", beta), ("alpha", alpha)):
-        if value is not None and name != taken:
-            users = " and ".join(repr(d) for d, (w, _) in WEIGHTS.items() if w == name)
-            raise ValueError(f"{name} is the weight of {users} only, got divergence={divergence!r}")
-    if taken is None:
-        return 0.0
-    value = beta if taken == "beta" else alpha
-    return _checks.unit_interval(WEIGHTS[divergence][1] if value is None else value, taken)
+    return next(iter(chosen_weight(divergence, beta, alpha).values()), 0.0)
 
 
 def runs_second_pass(divergence: str, weight: float) -> bool:
@@ -102,6 +109,10 @@ def divergence_functions(impl: Callable, module: str, arguments_doc: str) -> tup
             for name, meaning in (("beta", "jsd's mixture weight"), ("alpha", "the skew KLs' weight")):
                 if name in options and name != weight:
                     raise TypeError(f"{divergence}() got an unexpected keyword argument {name!r} ({meaning})")
+            try:  # a misspelt option is named against the public function, not impl
+                loss.__signature__.bind(*args, **options)
+            except TypeError as e:
+                raise TypeError(f"{module}.{divergence}(): {e}") from None
             if weight == "alpha":
                 options["beta"] = _checks.unit_interval(options.pop("alpha", WEIGHTS[divergence][1]), "alpha")
             return impl(divergence, *args, **options)

@@ -85,7 +85,7 @@ def _(xs, xt, ws, wt, labels, bias_s, bias_t, row_scale, ignore_index, divergenc
 
 
 # Where the automatic choice takes the training path: the devices where it measured faster than the
-# recompute path (docs/performance.md: 0.83x its step on the CPU, 0.71-0.83x on the H100).
+# recompute path (docs/performance.md: 0.83x its step on the CPU, 0.68-0.76x on the H100).
 AUTOMATIC_DEVICES = frozenset({"cpu", "cuda"})
 # Where top-K's automatic choice takes its training path (normalize="full"): CUDA, where its step measured
 # 0.85-0.90x the recompute path's on the H100; not the CPU, where it measured as fast as the recompute path,

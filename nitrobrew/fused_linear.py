@@ -33,7 +33,7 @@ from nitrobrew._extension import kernel_device_types
 from nitrobrew._reduction import reduce_rows
 from nitrobrew._registration import ops, register_recompute_op, row_outputs
 
-__all__ = ["forward_kl", "reverse_kl", "jsd"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"]
 
 # Columns of the forward's per-row statistics (RowStat in csrc/divergence/row_stats.h), and the column of
 # the student's entropy (kEntropyS: formed where the forward's `entropy` option asks for it).

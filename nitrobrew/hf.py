@@ -217,15 +217,16 @@ def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor
 
 
 def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Tensor | None = None,
-                      labels: Tensor | None = None, loss: str = "forward_kl", beta: float = 0.5,
-                      alpha: float = 0.1, temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
+                      labels: Tensor | None = None, loss: str = "forward_kl", beta: float | None = None,
+                      alpha: float | None = None, temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
                       vocab_size: int | None = None, ignore_index: int = -100, check: bool = True,
                       grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None) -> Tensor:
     """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final
     hidden states and unembeddings: no [B, T, V] tensor is formed.
 
-    loss: "forward_kl" (KL(teacher || student)), "reverse_kl", "jsd" (generalized, with `beta`),
-    "skew_forward_kl" / "skew_reverse_kl" (DistiLLM's, with `alpha`) or "tvd" (nitrobrew.fused_linear).
+    loss: "forward_kl" (KL(teacher || student)), "reverse_kl", "jsd" (generalized, with `beta`, default 0.5),
+    "skew_forward_kl" / "skew_reverse_kl" (DistiLLM's, with `alpha`, default 0.1) or "tvd" (nitrobrew.fused_linear);
+    a weight given to a loss that does not take it is an error.
     Scored positions follow Hugging Face's causal shift (position n predicts token n + 1): where
     `labels[:, n + 1] != ignore_index`, else where `attention_mask[:, n + 1] == 1`, else every position
     but the last. ce_weight > 0 adds the student's cross-entropy at `labels[:, n + 1]` (or the next
@@ -237,7 +238,7 @@ def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Te
     (nitrobrew.forward_kl's options; None: automatic, 2048 MiB).
     The teacher runs under torch.no_grad(); gradients reach the student's parameters."""
     _divergences.check_name(loss)
-    weight = _divergences.weight_kwargs(loss, beta, alpha)
+    weight = _divergences.chosen_weight(loss, beta, alpha)
     _checks.tensor(input_ids, "input_ids")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2 (a position and its next token), "

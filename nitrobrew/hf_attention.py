@@ -128,7 +128,8 @@ def attention_distillation_loss(student: capture_attention, teacher: capture_att
     """The mean over `layer_map`'s pairs {student layer: teacher layer} of attention_kl between the captured
     layers, with each model's own score scale, the causal mask and `attention_mask` [B, N] (padding: masked
     as keys and left out as query rows). Query-head counts must match, or the teacher's must be a multiple
-    of the student's (every k-th teacher head is used); key-head counts (GQA) and head dims may differ."""
+    of the student's (every k-th teacher head is used); key-head counts (GQA) and head dims may differ.
+    reduction "none" returns every pair's [B, H, N] losses stacked, [pairs, B, H, N], in layer_map's order."""
     if not layer_map:
         raise ValueError("layer_map must pair at least one student layer with a teacher layer")
     losses = []

@@ -32,7 +32,7 @@ from nitrobrew._registration import ops, register_recompute_op, row_outputs
 from nitrobrew.fused_linear import NUM_ROW_STATS
 from nitrobrew.topk_linear import NUM_TOPK_ROW_STATS
 
-__all__ = ["forward_kl", "reverse_kl", "jsd", "topk_kl"]
+__all__ = ["forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tvd", "topk_kl"]
 
 
 def _fake_forward(zs, zt, labels, *options):
@@ -133,8 +133,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     sum may be < 1); "topk": both are renormalized over the K ids. divergence, beta, alpha: as in
     nitrobrew.topk_kl (any of nitrobrew's divergences with "topk", forward KL with "full"). The temperature
     divides the student's logits only. Other options as in forward_kl (process_group: zs is this rank's
-    [..., V_shard] columns and the teacher's ids stay global); the gradient flows to zs only. Ids outside
-    [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
+    [..., V_shard] columns and the teacher's ids stay global); the gradient flows to zs only. Masked rows' ids
+    are not read (padding's -1 is fine there); other ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
     synchronization; skipped while torch.compile traces or a CUDA graph captures, where such a row's loss and
     gradient come out NaN instead).
     """
@@ -149,6 +149,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
+    teacher_ids = _checks.topk_ids(teacher_ids, teacher_logprobs, normalize, labels, ignore_index,
+                                   vocab if process_group is None else None)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0, divergence, weight)

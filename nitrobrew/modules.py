@@ -13,8 +13,8 @@ class DistillationLoss(nn.Module):
     loss = DistillationLoss("jsd", beta=0.5, temperature=2.0)(xs, xt, ws, wt, labels)
 
     `loss` is "forward_kl" (KL(teacher || student)), "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl"
-    or "tvd"; the keyword options are those of the function of that name (`beta` is used by "jsd" only, `alpha`
-    by the skew KLs only;
+    or "tvd"; the keyword options are those of the function of that name (`beta`, default 0.5, is taken by "jsd"
+    only and `alpha`, default 0.1, by the skew KLs only: either given to another loss is an error;
     `process_group`: the group over which ws and wt are vocabulary shards, nitrobrew.distributed;
     `grad_in_forward`, `grad_chunk_mib`: the training path, which forms the gradients in the forward).
     """
@@ -23,8 +23,8 @@ class DistillationLoss(nn.Module):
         self,
         loss: str = "forward_kl",
         *,
-        beta: float = 0.5,
-        alpha: float = 0.1,
+        beta: float | None = None,
+        alpha: float | None = None,
         temperature: float = 1.0,
         reduction: str = "mean",
         ignore_index: int = -100,
@@ -41,8 +41,7 @@ class DistillationLoss(nn.Module):
     ):
         super().__init__()
         self.loss = _divergences.check_name(loss)
-        self.beta = _checks.unit_interval(beta, "beta")
-        self.alpha = _checks.unit_interval(alpha, "alpha")
+        self.weight = _divergences.chosen_weight(self.loss, beta, alpha)  # {"beta": ...}, {"alpha": ...} or {}
         # Fail at construction, not at the first training step.
         _checks.positive_number(temperature, "temperature")
         _checks.reduction(reduction)
@@ -67,13 +66,9 @@ class DistillationLoss(nn.Module):
     def forward(self, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, labels: Tensor | None = None,
                 bias_s: Tensor | None = None, bias_t: Tensor | None = None) -> Tensor:
         return getattr(fused_linear, self.loss)(xs, xt, ws, wt, labels=labels, bias_s=bias_s, bias_t=bias_t,
-                                                **self._weight(), process_group=self.process_group, **self.options)
-
-    def _weight(self) -> dict:
-        """The divergence's weight as its function takes it: {"beta": ...}, {"alpha": ...} or {}."""
-        return _divergences.weight_kwargs(self.loss, self.beta, self.alpha)
+                                                **self.weight, process_group=self.process_group, **self.options)
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        weight = "".join(f"{k}={v}, " for k, v in self._weight().items())
+        weight = "".join(f"{k}={v}, " for k, v in self.weight.items())
         return f"{self.loss!r}, {weight}{options}"

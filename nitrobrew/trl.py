@@ -52,8 +52,11 @@ class GKDTrainer(_TRLGKDTrainer):
         autocast = getattr(self.accelerator, "autocast", None)
         with autocast() if callable(autocast) else contextlib.nullcontext():
             loss = hf.distillation_loss(model, teacher, inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                        labels=inputs["labels"], loss=self.nitrobrew_divergence, beta=self.beta,
-                                        alpha=self.nitrobrew_alpha, reduction="sum" if per_batch else "mean")
+                                        labels=inputs["labels"], loss=self.nitrobrew_divergence,
+                                        reduction="sum" if per_batch else "mean",
+                                        # TRL's beta is JSD's; alpha the skew KLs'
+                                        **_divergences.weight_kwargs(self.nitrobrew_divergence, self.beta,
+                                                                     self.nitrobrew_alpha))
         if per_batch:  # the global count of scored tokens (gradient accumulation, several ranks)
             count = num_items_in_batch
             loss = loss / (count.to(loss.device) if isinstance(count, torch.Tensor) else count)

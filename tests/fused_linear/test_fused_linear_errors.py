@@ -32,6 +32,7 @@ def call(problem, fn=nitrobrew.forward_kl, **overrides):
         (dict(xt=torch.randn(5, 12)), ValueError, "same leading shape"),
         (dict(ws=torch.randn(50, 7)), ValueError, "ws must be \\[V, D_s\\]"),
         (dict(xs=torch.randn(6, 50)), ValueError, "vocabulary size V = 50: for logits, use nitrobrew.logits"),
+        (dict(ws=torch.randn(8, 50)), ValueError, r"a \[D, V\] matrix\? it must be \[V, D\], as lm_head.weight is"),
         (dict(wt=torch.randn(50, 8)), ValueError, "wt must be \\[V, D_t\\]"),
         (dict(wt=torch.randn(49, 12)), ValueError, "pass vocab_size="),
         (dict(vocab_size=51), ValueError, "vocab_size must be at most"),

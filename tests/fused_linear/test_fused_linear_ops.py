@@ -167,7 +167,8 @@ def test_torch_compile_fullgraph_with_backward(device, beta, dynamic, grad_in_fo
 @pytest.mark.parametrize("loss_name,beta", [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.25)])
 def test_module(device, loss_name, beta):
     xs, xt, ws, wt, labels = make_problem(device=device, masked=True)
-    module = nitrobrew.DistillationLoss(loss_name, beta=beta, temperature=2.0, ce_weight=0.1)
+    weight = {"beta": beta} if loss_name == "jsd" else {}
+    module = nitrobrew.DistillationLoss(loss_name, **weight, temperature=2.0, ce_weight=0.1)
     expected = nitrobrew_loss(xs, xt, ws, wt, beta=beta, temperature=2.0, ce_weight=0.1, labels=labels)
     torch.testing.assert_close(module(xs, xt, ws, wt, labels), expected)
     assert loss_name in repr(module)
@@ -177,6 +178,13 @@ def test_module(device, loss_name, beta):
         nitrobrew.DistillationLoss("jsd", temperature=0.0)
     with pytest.raises(ValueError, match="beta must be a number in"):
         nitrobrew.DistillationLoss("jsd", beta=2.0)
+    # A weight the loss does not take would be ignored: an error, at construction and in nitrobrew.hf.
+    with pytest.raises(ValueError, match="beta is the weight of 'jsd' only, got it with 'forward_kl'"):
+        nitrobrew.DistillationLoss("forward_kl", beta=0.9)
+    with pytest.raises(ValueError, match="alpha is the weight of 'skew_forward_kl' and 'skew_reverse_kl' only"):
+        nitrobrew.DistillationLoss("jsd", alpha=0.9)
+    with pytest.raises(ValueError, match="beta is the weight of 'jsd' only, got it with 'skew_forward_kl'"):
+        nitrobrew.DistillationLoss("skew_forward_kl", beta=0.9)
 
 
 @pytest.mark.parametrize("grad_in_forward", [False, True])

@@ -115,7 +115,7 @@ def test_equals_the_loss_from_the_models_own_logits(family, loss):
 def test_skew_kls_and_tvd_equal_the_loss_from_the_models_own_logits(family, loss):
     student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
     input_ids, attention_mask = batch()
-    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5, alpha=0.3)
+    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5, **({} if loss == "tvd" else {"alpha": 0.3}))
     ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
     theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
     assert_same(ours, theirs)
@@ -232,6 +232,8 @@ def test_bad_arguments():
     input_ids, attention_mask = batch()
     with pytest.raises(ValueError, match="loss must be one of"):
         nitrobrew.hf.distillation_loss(student, teacher, input_ids, loss="kl")
+    with pytest.raises(ValueError, match="alpha is the weight of 'skew_forward_kl' and 'skew_reverse_kl' only"):
+        nitrobrew.hf.distillation_loss(student, teacher, input_ids, loss="jsd", alpha=0.3)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, T\] with T >= 2"):
         nitrobrew.hf.distillation_loss(student, teacher, input_ids[:, :1])
     with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):

@@ -280,6 +280,56 @@ def test_errors(change, error, match):
         nitrobrew.topk_kl(xs, ws, ids, lps)
 
 
+@pytest.mark.parametrize("normalize", ["full", "topk"])
+def test_masked_rows_ids_are_not_read(normalize, device):
+    # Padded positions often carry ids of -1: with labels masking them, the loss and gradients are those of any
+    # valid ids there, in both families; an unmasked row's -1 still raises.
+    xs, ws, ids, lps, labels = make_problem(lead=(11,), v=90, d=16, k=6, masked_rows=True)
+    masked = labels == -100
+    assert masked.any() and not masked.all()
+    padded = torch.where(masked.unsqueeze(-1), torch.full_like(ids, -1), ids)
+    xs, ws, ids, padded, lps, labels = (t.to(device) for t in (xs, ws, ids, padded, lps, labels))
+    for loss_of, inputs in ((lambda x, w, i: nitrobrew.topk_kl(x, w, i, lps, normalize=normalize, labels=labels,
+                                                               reduction="sum"), (xs, ws)),
+                            (lambda z, i: nitrobrew.logits.topk_kl(z, i, lps, normalize=normalize, labels=labels,
+                                                                    reduction="sum"), (xs @ ws.T,))):
+        results = []
+        for teacher_ids in (ids, padded):
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            loss = loss_of(*leaves, teacher_ids)
+            results.append((loss.detach(), *torch.autograd.grad(loss, leaves)))
+        for got, expected in zip(results[1], results[0]):  # not bitwise: CUDA's scatters add in any order
+            torch.testing.assert_close(got, expected)
+        unmasked = torch.where(labels != -100)[0][0]
+        bad = ids.clone()
+        bad[unmasked, 0] = -1
+        with pytest.raises(IndexError, match=rf"teacher_ids\[{int(unmasked)}, 0\] = -1 is outside"):
+            loss_of(*inputs, bad)
+
+
+def test_teacher_mass_above_one_is_an_error(device):
+    # Probabilities, or logits, passed as log-probabilities: with normalize="full" (q as given) the loss would mean
+    # nothing. "topk" renormalizes over the K ids, so any logits do there; masked rows are not read.
+    xs, ws, ids, lps, labels = make_problem(lead=(7,), v=60, d=16, k=5, masked_rows=True)
+    xs, ws, ids, lps, labels = (t.to(device) for t in (xs, ws, ids, lps, labels))
+    zs = xs @ ws.T
+    for bad in (lps.exp(), lps + 1.0):
+        with pytest.raises(ValueError, match=r'teacher_logprobs must be log-probabilities: with normalize="full" '
+                                             r"the probabilities exp\(teacher_logprobs\) of a row sum to at most 1"):
+            nitrobrew.topk_kl(xs, ws, ids, bad)
+        with pytest.raises(ValueError, match="teacher_logprobs must be log-probabilities"):
+            nitrobrew.logits.topk_kl(zs, ids, bad)
+        assert torch.isfinite(nitrobrew.topk_kl(xs, ws, ids, bad, normalize="topk"))
+    masked = labels == -100
+    garbage = torch.where(masked.unsqueeze(-1), lps + 5.0, lps)
+    torch.testing.assert_close(nitrobrew.topk_kl(xs, ws, ids, garbage, labels=labels),
+                               nitrobrew.topk_kl(xs, ws, ids, lps, labels=labels))
+    # A row of a non-finite mass follows the non-finite rule (a NaN row), not this error.
+    inf_row = lps.clone()
+    inf_row[1, 0] = float("inf")
+    assert torch.isnan(nitrobrew.topk_kl(xs, ws, ids, inf_row, reduction="none")[1])
+
+
 @pytest.mark.parametrize("options, error, match", [
     (dict(bias_s=torch.zeros(39)), ValueError, r"bias_s must be \[V\] with one entry per row of ws \(40\)"),
     (dict(bias_s=torch.zeros(40, dtype=torch.int32)), TypeError, "bias_s must be float32"),
