@@ -233,7 +233,8 @@ class _StoredProductsFloor(torch.autograd.Function):
     rows of float32 products (nitrobrew::products, the path's own op), both read once (row maxima, for the
     statistics), then read again while G is written in the inputs' dtype (a copy of the student's products):
     the 26 bytes a column of docs/notes/fused_linear_training_path.md. Then dxs = G . ws and dws += G^T . xs
-    per chunk, as the path does. With reads=1 the first read is skipped: 18 bytes a column, the design whose
+    per chunk, as the path does up to 4 chunks (its chunks are planned from the memory bound: 3 of 5632 tokens at
+    N = 16384 on Llama-3, where this takes 4; past 4 it accumulates dws in float32). With reads=1 the first read is skipped: 18 bytes a column, the design whose
     statistics are folded into the products' epilogue at no cost. Its loss is a placeholder (not a divergence)."""
 
     chunk, step = 4096, 512
@@ -255,6 +256,7 @@ class _StoredProductsFloor(torch.autograd.Function):
                     total += zs.amax(1).sum() - zt.amax(1).sum()  # pass 1: both read
                 total += zt.amax(1).sum()  # pass 2: both read (again), G written
                 g[r0 - c0:r1 - c0].copy_(zs)
+                del zs, zt  # freed before the next step's products, as the path's are
             dxs[c0:c1] = g @ ws
             dws.addmm_(g.T, xs[c0:c1])
         ctx.save_for_backward(dxs, dws)

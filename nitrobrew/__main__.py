@@ -176,8 +176,8 @@ def main():
                   f", {fused_mem / 2**30:.3f} GiB of extra peak memory against naive's {naive_mem / 2**30:.3f}")
         print(f"nitrobrew: {speed}{memory}.")
         if args.device == "cpu":
-            print("On the CPU the fused path's gain is memory: in float32 its training step has measured from as fast "
-                  "as naive PyTorch's to twice as fast, by machine; with bf16 inputs naive's bf16 products run 2-3x "
+            print("On the CPU the fused path's gain is memory: in float32 its training step has measured about as fast "
+                  "as naive PyTorch's (docs/performance.md) or faster (as above), by machine; with bf16 inputs naive's bf16 products run 2-3x "
                   "faster than nitrobrew's float32 ones (docs/performance.md has the CPU measurements); "
                   "its speed is won on GPUs.")
 

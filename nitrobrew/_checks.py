@@ -195,40 +195,59 @@ def _raise_outside(ids: Tensor, outside: Tensor, vocab: int, name: str, ignore_i
     raise IndexError(message)
 
 
-# How far a row's teacher mass sum_k exp(teacher_logprobs) may exceed 1 with normalize="full": the rounding of
-# 16-bit log-probabilities (2^-9 relative each) moves it by well under this.
-TOPK_MASS_SLACK = 2.0**-6
+# How far a row's teacher mass sum_k exp(teacher_logprobs) may exceed 1 with normalize="full". Log-probabilities
+# rounded to bf16 (2^-9 relative each) move a high-entropy row's mass by up to ~entropy * 2^-9 (measured: 1.03 for
+# K = V = 32000, and more from a bf16 log_softmax's rounded normalizer); the mistakes the check is for give >= 1.25:
+# probabilities (each exp(p) >= 1, so K >= 2 sums to >= 2) or logits passed as log-probabilities.
+TOPK_MASS_SLACK = 0.25
 
 
-def topk_ids(teacher_ids: Tensor, teacher_logprobs: Tensor, normalize: str, labels: Tensor | None, ignore_index: int,
-             vocab: int | None) -> Tensor:
-    """teacher_ids with the masked rows' ids (labels == ignore_index) set to 0, after checking the rows the loss
-    reads: ids in [0, vocab), and with normalize="full" log-probabilities whose probabilities sum to at most 1
-    (probabilities or logits passed as log-probabilities give a loss without meaning; "topk" renormalizes, so
-    any logits do). The loss reads no masked row, and padded positions often carry ids of -1 there. vocab None: a
-    sharded vocabulary, whose range nitrobrew.distributed checks where the whole vocabulary is known. One host
-    read for both checks (ids_in_range's); rows of a non-finite mass are the non-finite rule's, not an error."""
-    kept = None if labels is None else (labels != ignore_index)
-    if kept is not None:
-        teacher_ids = torch.where(kept.unsqueeze(-1), teacher_ids, torch.zeros_like(teacher_ids))
-    if teacher_ids.numel() == 0 or not host_checks_possible(teacher_ids):
-        return teacher_ids
-    outside = _outside(teacher_ids, vocab, None) if vocab is not None else None
-    excess = None
-    if normalize == "full":
-        mass = teacher_logprobs.detach().float().exp().sum(-1)
-        excess = (mass > 1.0 + TOPK_MASS_SLACK) & mass.isfinite()
-        if kept is not None:
-            excess &= kept
+def topk_rows(teacher_ids: Tensor, teacher_logprobs: Tensor, normalize: str, labels: Tensor | None, ignore_index: int,
+              vocab: int | None) -> tuple[Tensor, Tensor]:
+    """(teacher_ids, teacher_logprobs) with the masked rows (labels == ignore_index) set to id 0 and log-probability
+    -inf, after checking the rows the loss reads: ids in [0, vocab), and with normalize="full" teacher_mass's. The
+    loss reads no masked row, and padded positions often carry ids of -1 there. vocab None: a sharded vocabulary,
+    whose ids and masses nitrobrew.distributed checks on the inputs every rank holds alike (tokens gathered), so
+    that every rank raises alike. One host read for both checks."""
+    if labels is not None:
+        kept = (labels != ignore_index).unsqueeze(-1)
+        teacher_ids = torch.where(kept, teacher_ids, torch.zeros_like(teacher_ids))
+        teacher_logprobs = torch.where(kept, teacher_logprobs, torch.full_like(teacher_logprobs, float("-inf")))
+    if vocab is None or teacher_ids.numel() == 0 or not host_checks_possible(teacher_ids):
+        return teacher_ids, teacher_logprobs
+    outside = _outside(teacher_ids, vocab, None)
+    excess = _mass_excess(teacher_logprobs) if normalize == "full" else None
     flags = [f.any() for f in (outside, excess) if f is not None]
-    if not flags or not any(torch.stack(flags).tolist()):
-        return teacher_ids
-    if outside is not None and bool(outside.any()):
-        _raise_outside(teacher_ids, outside, vocab, "teacher_ids", None)
+    if any(torch.stack(flags).tolist()):
+        if bool(outside.any()):
+            _raise_outside(teacher_ids, outside, vocab, "teacher_ids", None)
+        _raise_mass(teacher_logprobs, excess)
+    return teacher_ids, teacher_logprobs
+
+
+def teacher_mass(teacher_logprobs: Tensor) -> None:
+    """normalize="full" takes q_k = exp(teacher_logprobs_k) as given: a row whose mass sum_k q_k passes
+    1 + TOPK_MASS_SLACK (probabilities or logits passed as log-probabilities) is a ValueError; a row of a non-finite
+    mass is the non-finite rule's, not an error. Skipped where no host read is possible (host_checks_possible)."""
+    if teacher_logprobs.numel() == 0 or not host_checks_possible(teacher_logprobs):
+        return
+    excess = _mass_excess(teacher_logprobs)
+    if bool(excess.any()):
+        _raise_mass(teacher_logprobs, excess)
+
+
+def _mass_excess(teacher_logprobs: Tensor) -> Tensor:
+    # The log of the mass, in the inputs' dtype (logsumexp accumulates in float32): no overflow of exp at logits of 89+.
+    log_mass = torch.logsumexp(teacher_logprobs.detach(), -1)
+    return (log_mass > math.log1p(TOPK_MASS_SLACK)) & log_mass.isfinite()
+
+
+def _raise_mass(teacher_logprobs: Tensor, excess: Tensor) -> None:
     row = tuple(int(i) for i in excess.nonzero()[0])
+    log_mass = float(torch.logsumexp(teacher_logprobs[row].detach().double(), -1))
     raise ValueError(f"teacher_logprobs must be log-probabilities: with normalize=\"full\" the probabilities "
                      f"exp(teacher_logprobs) of a row sum to at most 1, but row {list(row)}'s sum to "
-                     f"{float(mass[row]):.4g} ({int(excess.sum())} such rows). Pass the teacher's log_softmax at "
+                     f"{math.exp(log_mass) if log_mass < 700 else float('inf'):.4g} ({int(excess.sum())} such rows). Pass the teacher's log_softmax at "
                      f"its top-K ids (nitrobrew.topk_logprobs gives them), or normalize=\"topk\", which "
                      f"renormalizes over the K ids and takes logits as they are")
 

@@ -441,6 +441,8 @@ class _TopKShard(_ShardLoss):
             raise ValueError(f"K (the last dimension of teacher_ids) must be in [1, V = {shard.total}], got "
                              f"{ids.shape[-1]}")
         _checks.ids_in_range(ids, shard.total, "teacher_ids")
+        if not self.call.renormalize:  # "full" takes q as given (topk_linear.py checked nothing here: every rank
+            _checks.teacher_mass(logprobs)  # sees these inputs alike, so every rank raises alike)
         held = (ids >= shard.start) & (ids < shard.start + shard.rows)
         return (held, torch.where(held, ids - shard.start, torch.zeros_like(ids)),
                 torch.where(held, logprobs, torch.full_like(logprobs, float("-inf"))))

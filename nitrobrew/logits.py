@@ -134,7 +134,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     nitrobrew.topk_kl (any of nitrobrew's divergences with "topk", forward KL with "full"). The temperature
     divides the student's logits only. Other options as in forward_kl (process_group: zs is this rank's
     [..., V_shard] columns and the teacher's ids stay global); the gradient flows to zs only. Masked rows' ids
-    are not read (padding's -1 is fine there); other ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
+    are not read (padding's -1 is fine there); with normalize="full" a row whose teacher mass sum_k q_k passes 1.25
+    raises a ValueError; other ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
     synchronization; skipped while torch.compile traces or a CUDA graph captures, where such a row's loss and
     gradient come out NaN instead).
     """
@@ -149,8 +150,8 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     k = teacher_ids.shape[-1]
     _checks.same_device({"zs": zs, "teacher_ids": teacher_ids, "teacher_logprobs": teacher_logprobs})
     temperature, reduction, labels, ignore_index = _common_checks(zs, temperature, reduction, labels, ignore_index)
-    teacher_ids = _checks.topk_ids(teacher_ids, teacher_logprobs, normalize, labels, ignore_index,
-                                   vocab if process_group is None else None)
+    teacher_ids, teacher_logprobs = _checks.topk_rows(teacher_ids, teacher_logprobs, normalize, labels, ignore_index,
+                                                      vocab if process_group is None else None)
     flat_labels = labels.reshape(-1) if labels is not None else None
     if process_group is not None:
         call = distributed.TopKCall(temperature, normalize == "topk", ignore_index, 1.0, 0, divergence, weight)

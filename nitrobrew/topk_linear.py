@@ -79,8 +79,10 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
             (nitrobrew.distributed).
 
     Forward KL's loss per token is sum_k q_k (log q_k - log p_{id_k}). Returns float32 (float64 for float64 inputs);
-    gradients flow to xs, ws and bias_s. Masked rows' ids are not read (padding's -1 is fine there); other ids
-    outside [0, V) raise an IndexError naming the first one and its position
+    gradients flow to xs, ws and bias_s. Masked rows' ids are not read (padding's -1 is fine there); with
+    normalize="full" a row whose teacher mass sum_k q_k passes 1.25 (probabilities or logits given as
+    log-probabilities) raises a ValueError; other ids outside [0, V) raise an IndexError naming the first one and
+    its position
     (on CUDA at the cost of a host synchronization; skipped while torch.compile traces or a CUDA graph
     captures, where such a row's loss and gradient come out NaN instead).
     """
@@ -114,7 +116,8 @@ def topk_kl(xs: Tensor, ws: Tensor, teacher_ids: Tensor, teacher_logprobs: Tenso
     reduction = _checks.reduction(reduction)
     labels = _checks.labels(labels, lead_shape, xs.device)
     ignore_index = _checks.ignore_index(ignore_index)
-    teacher_ids = _checks.topk_ids(teacher_ids, teacher_logprobs, normalize, labels, ignore_index, vocab)
+    teacher_ids, teacher_logprobs = _checks.topk_rows(teacher_ids, teacher_logprobs, normalize, labels, ignore_index,
+                                                      vocab)
     chunk_V = _checks.optional_positive_int(chunk_V, "chunk_V")
     k = teacher_ids.shape[-1]
     flat_labels = labels.reshape(-1) if labels is not None else None

@@ -293,6 +293,30 @@ def fsdp2_bad_batch_is_skipped(rank: int, world: int) -> None:
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
 
 
+def fsdp2_bad_teacher_mass_is_skipped(rank: int, world: int) -> None:
+    """The top-K teacher's mass check reads the gathered tokens too: probabilities passed as log-probabilities on one
+    rank raise on every rank alike, instead of leaving the others in the token all-gather."""
+    device, (dtype, _) = _device(), _dtype_and_tolerance()
+    mesh = init_device_mesh(device, (world,))
+    xs, _, ws, *_ = _inputs(dtype, device=device)
+    w_d = distribute_tensor(ws, mesh, [Shard(0)])
+    ids = torch.arange(2, device=device).repeat(xs.shape[0], 1)
+    logprobs = torch.full((xs.shape[0], 2), -1.0, dtype=dtype, device=device)
+    bad = logprobs.clone()
+    if rank == 1:
+        bad[3] = 0.5
+    try:
+        nitrobrew.topk_kl(xs.clone().requires_grad_(), w_d, ids, bad)
+    except ValueError as error:
+        assert "teacher_logprobs must be log-probabilities" in str(error), error
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+    x = xs.clone().requires_grad_()  # the next batch
+    loss = nitrobrew.topk_kl(x, w_d, ids, logprobs)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
 def process_group_and_dtensors_refused(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     xs, xt, ws, wt, *_ = _inputs(torch.float64)

@@ -57,6 +57,12 @@ def test_fsdp2_a_bad_batch_on_one_rank_raises_on_every_rank():
     run_on_ranks(2, cases.fsdp2_bad_batch_is_skipped)
 
 
+def test_fsdp2_a_bad_teacher_mass_on_one_rank_raises_on_every_rank():
+    import sharded_weight_cases as cases
+
+    run_on_ranks(2, cases.fsdp2_bad_teacher_mass_is_skipped)
+
+
 def test_process_group_with_dtensor_weights_is_refused():
     import sharded_weight_cases as cases
 
