@@ -234,8 +234,9 @@ class _StoredProductsFloor(torch.autograd.Function):
     statistics), then read again while G is written in the inputs' dtype (a copy of the student's products):
     the 26 bytes a column of docs/notes/fused_linear_training_path.md. Then dxs = G . ws and dws += G^T . xs
     per chunk, as the path does up to 4 chunks (its chunks are planned from the memory bound: 3 of 5632 tokens at
-    N = 16384 on Llama-3, where this takes 4; past 4 it accumulates dws in float32). With reads=1 the first read is skipped: 18 bytes a column, the design whose
-    statistics are folded into the products' epilogue at no cost. Its loss is a placeholder (not a divergence)."""
+    N = 16384 on Llama-3, where this takes 4; past 4 it accumulates dws in float32). With reads=1 the first read is
+    skipped: 18 bytes a column, the design whose statistics are folded into the products' epilogue at no cost. Its
+    loss is a placeholder (not a divergence)."""
 
     chunk, step = 4096, 512
 

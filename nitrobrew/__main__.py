@@ -177,9 +177,9 @@ def main():
         print(f"nitrobrew: {speed}{memory}.")
         if args.device == "cpu":
             print("On the CPU the fused path's gain is memory: in float32 its training step has measured about as fast "
-                  "as naive PyTorch's (docs/performance.md) or faster (as above), by machine; with bf16 inputs naive's bf16 products run 2-3x "
-                  "faster than nitrobrew's float32 ones (docs/performance.md has the CPU measurements); "
-                  "its speed is won on GPUs.")
+                  "as naive PyTorch's (docs/performance.md) or faster (as above), by machine; with bf16 inputs "
+                  "naive's bf16 products run 2-3x faster than nitrobrew's float32 ones (docs/performance.md has the "
+                  "CPU measurements); its speed is won on GPUs.")
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -136,7 +136,7 @@ TOPK_NORMALIZATIONS = ("full", "topk")
 def topk_teacher(teacher_ids, teacher_logprobs, normalize, lead_shape: torch.Size, vocab: int | None, of: str) -> None:
     """The top-K teacher's [..., K] ids (int64) and log-probabilities (floating, same shape, leading shape
     of `of`), 1 <= K <= vocab, and a known normalization. vocab None: a sharded vocabulary (K >= 1). The ids'
-    range is topk_ids', once the labels are known."""
+    range and mass are topk_rows', once the labels are known."""
     tensor(teacher_ids, "teacher_ids")
     tensor(teacher_logprobs, "teacher_logprobs")
     if teacher_ids.dtype != torch.int64:
@@ -245,9 +245,10 @@ def _mass_excess(teacher_logprobs: Tensor) -> Tensor:
 def _raise_mass(teacher_logprobs: Tensor, excess: Tensor) -> None:
     row = tuple(int(i) for i in excess.nonzero()[0])
     log_mass = float(torch.logsumexp(teacher_logprobs[row].detach().double(), -1))
+    mass = math.exp(log_mass) if log_mass < 700 else float("inf")
     raise ValueError(f"teacher_logprobs must be log-probabilities: with normalize=\"full\" the probabilities "
                      f"exp(teacher_logprobs) of a row sum to at most 1, but row {list(row)}'s sum to "
-                     f"{math.exp(log_mass) if log_mass < 700 else float('inf'):.4g} ({int(excess.sum())} such rows). Pass the teacher's log_softmax at "
+                     f"{mass:.4g} ({int(excess.sum())} such rows). Pass the teacher's log_softmax at "
                      f"its top-K ids (nitrobrew.topk_logprobs gives them), or normalize=\"topk\", which "
                      f"renormalizes over the K ids and takes logits as they are")
 

@@ -218,7 +218,8 @@ def _scored_positions(input_ids, attention_mask, labels, ignore_index) -> Tensor
 
 def distillation_loss(student, teacher, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                       labels: Tensor | None = None, loss: str = "forward_kl", beta: float | None = None,
-                      alpha: float | None = None, temperature: float = 1.0, reduction: str = "mean", ce_weight: float = 0.0,
+                      alpha: float | None = None, temperature: float = 1.0, reduction: str = "mean",
+                      ce_weight: float = 0.0,
                       vocab_size: int | None = None, ignore_index: int = -100, check: bool = True,
                       grad_in_forward: bool | None = None, grad_chunk_mib: int | None = None) -> Tensor:
     """Distillation loss between two Hugging Face causal LMs that share a tokenizer, from their final

@@ -135,9 +135,9 @@ def topk_kl(zs: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, *, normal
     divides the student's logits only. Other options as in forward_kl (process_group: zs is this rank's
     [..., V_shard] columns and the teacher's ids stay global); the gradient flows to zs only. Masked rows' ids
     are not read (padding's -1 is fine there); with normalize="full" a row whose teacher mass sum_k q_k passes 1.25
-    raises a ValueError; other ids outside [0, V) raise an IndexError naming the first one and its position (on CUDA at the cost of a host
-    synchronization; skipped while torch.compile traces or a CUDA graph captures, where such a row's loss and
-    gradient come out NaN instead).
+    raises a ValueError; other ids outside [0, V) raise an IndexError naming the first one and its position (on
+    CUDA at the cost of a host synchronization; skipped while torch.compile traces or a CUDA graph captures, where
+    such a row's loss and gradient come out NaN instead).
     """
     _checks.tensor(zs, "zs")
     _checks.floating(zs, "zs")

@@ -396,11 +396,10 @@ def errors(rank: int, world: int) -> None:
                                              lambda: nitrobrew.topk_kl(xs, ws[rows], labels[:, None].clamp(min=0) + V,
                                                                        torch.zeros(xs.shape[0], 1, dtype=xs.dtype),
                                                                        process_group=group)),
-        "probabilities passed as teacher log-probabilities": (ValueError, "teacher_logprobs must be log-probabilities",
-                                                              lambda: nitrobrew.topk_kl(
-                                                                  xs, ws[rows], labels[:, None].clamp(min=0).repeat(1, 2),
-                                                                  torch.full((xs.shape[0], 2), 0.5, dtype=xs.dtype),
-                                                                  process_group=group)),
+        "probabilities passed as teacher log-probabilities": (
+            ValueError, "teacher_logprobs must be log-probabilities",
+            lambda: nitrobrew.topk_kl(xs, ws[rows], labels[:, None].clamp(min=0).repeat(1, 2),
+                                      torch.full((xs.shape[0], 2), 0.5, dtype=xs.dtype), process_group=group)),
     }
     for name, (kind, message, fn) in cases.items():
         try:

@@ -115,7 +115,8 @@ def test_equals_the_loss_from_the_models_own_logits(family, loss):
 def test_skew_kls_and_tvd_equal_the_loss_from_the_models_own_logits(family, loss):
     student, teacher = tiny(family, hidden=32), tiny(family, hidden=64, seed=1)
     input_ids, attention_mask = batch()
-    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5, **({} if loss == "tvd" else {"alpha": 0.3}))
+    weight = {} if loss == "tvd" else {"alpha": 0.3}
+    options = dict(attention_mask=attention_mask, loss=loss, temperature=1.5, **weight)
     ours = values_and_grads(lambda: nitrobrew.hf.distillation_loss(student, teacher, input_ids, **options), student)
     theirs = values_and_grads(lambda: reference_loss(student, teacher, input_ids, **options), student)
     assert_same(ours, theirs)
