@@ -6,7 +6,9 @@
 The teacher's hidden states xt [N, D] and unembedding wt [V, D] exist before the timed region. Methods, in
 one run, every (method, K) measured once per round over --rounds rounds:
   gemm              cuBLAS's one product xt @ wt.T in the inputs' dtype: the floor the target is a ratio to;
-  nitrobrew         nitrobrew.topk_logprobs;
+  nitrobrew         nitrobrew.topk_logprobs (for 16-bit inputs and K up to V / 256, its walk path);
+  nitrobrew_rows    nitrobrew.topk_logprobs's row-kernel path (a development build's NITROBREW_TOPK_LOGPROBS_WALK=off):
+                    token chunks of cuBLAS float32 logits, each read once by a row kernel;
   naive_bf16        the logits in the inputs' dtype, log_softmax in float32, torch.topk;
   naive_float32     the logits from float32 inputs (the accurate one), log_softmax, torch.topk;
   chunked_naive     naive_bf16 over token chunks of 2048: the simplest bounded-memory composition;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 from pathlib import Path
 
@@ -48,6 +51,15 @@ def method_run(method, xt, wt, k):
         return lambda: xt @ wt.T
     if method == "nitrobrew":
         return lambda: nitrobrew.topk_logprobs(xt, wt, k)
+    if method == "nitrobrew_rows":
+        def rows_path():
+            os.environ["NITROBREW_TOPK_LOGPROBS_WALK"] = "off"
+            try:
+                return nitrobrew.topk_logprobs(xt, wt, k)
+            finally:
+                del os.environ["NITROBREW_TOPK_LOGPROBS_WALK"]
+
+        return rows_path
     if method == "naive_bf16":
         return lambda: naive(xt, wt, k)
     if method == "naive_float32":
@@ -62,7 +74,7 @@ def method_run(method, xt, wt, k):
     raise ValueError(method)
 
 
-METHODS = ["gemm", "nitrobrew", "naive_bf16", "naive_float32", "chunked_naive", "composition"]
+METHODS = ["gemm", "nitrobrew", "nitrobrew_rows", "naive_bf16", "naive_float32", "chunked_naive", "composition"]
 
 
 def main():

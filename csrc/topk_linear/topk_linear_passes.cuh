@@ -18,28 +18,6 @@
 namespace nitrobrew {
 namespace cuda {
 
-// Whether a tile's entries can be read at a (j, k) known only at run time (ParkedTile, in shared
-// memory); a tile in registers is read through a select over its n-tiles instead.
-template <typename Tile, typename = void>
-constexpr bool kRuntimeIndex = false;
-template <typename Tile>
-constexpr bool kRuntimeIndex<Tile, std::void_t<decltype(Tile::kRuntimeIndex)>> = Tile::kRuntimeIndex;
-
-// Entry (j, 2 kI + e) of a thread's fragment, with j and e known only at run time.
-template <int kI, typename Tile>
-__device__ __forceinline__ float fragment_entry(const Tile& z, int j, int e) {
-  if constexpr (kRuntimeIndex<Tile>) {
-    return z.at(j, 2 * kI + e);
-  } else {
-    float v = 0.f;
-#pragma unroll
-    for (int jj = 0; jj < Tile::kNTiles; ++jj) {
-      if (jj == j) v = e ? z.at(jj, 2 * kI + 1) : z.at(jj, 2 * kI);
-    }
-    return v;
-  }
-}
-
 // Picks the student's logits at the teacher's K ids out of the tiles a pass sees (the top-K
 // forward, normalize="full"), instead of gathering K rows of ws per token: at K = 512 and
 // N = 8192 that gather read 30 GB. The picked logits are also the very values the tiles' log-normalizer

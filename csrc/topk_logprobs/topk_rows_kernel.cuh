@@ -19,6 +19,7 @@
 #include "../engine/cuda/fast_math.cuh"
 #include "../engine/numerics.h"
 #include "topk_logprobs_limits.h"
+#include "topk_order.cuh"
 
 namespace nitrobrew {
 namespace cuda {
@@ -42,37 +43,6 @@ constexpr int kBins = 256;                        // a radix pass's digits (8 bi
 constexpr float kMinExponent = -200.f;
 static_assert(kBuffer >= kMaxTopKLogprobsK + kRound, "a round must fit behind the k kept candidates");
 static_assert(kThreads == kBins, "one histogram bin a thread");
-
-struct RowSums {  // (max m, sum of exp(s - m), sum of exp(s - m) * (s - m)); merged in double
-  float max;
-  double sum, centered;
-};
-
-__device__ inline RowSums merge(RowSums a, RowSums b) {
-  if (a.max == kNegInf<float>) return b;
-  if (b.max == kNegInf<float>) return a;
-  const float m = fmaxf(a.max, b.max);
-  const double da = double(a.max) - m, db = double(b.max) - m, ea = exp(da), eb = exp(db);  // no float overflow
-  return {m, ea * a.sum + eb * b.sum, ea * (a.centered + da * a.sum) + eb * (b.centered + db * b.sum)};
-}
-
-// The output's order as one unsigned key: larger value first, ties to the lower id. The float's bits made
-// monotone (negative values flipped), then the id's complement.
-__device__ __forceinline__ uint32_t float_order(float v) {
-  const uint32_t b = __float_as_uint(v);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-__device__ __forceinline__ float float_of_order(uint32_t o) {
-  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
-}
-__device__ __forceinline__ uint64_t order_key(float v, int32_t id) {
-  return (uint64_t(float_order(v)) << 32) | uint32_t(~uint32_t(id));
-}
-
-// The output's order: larger value first, ties to the lower id.
-__device__ inline bool before(float va, int32_t ia, float vb, int32_t ib) {
-  return va > vb || (va == vb && ia < ib);
-}
 
 // Sorts the first n (a power of two) candidates by `before` (bitonic), every thread of the block taking part.
 __device__ inline void sort_candidates(float* value, int32_t* id, int n) {
@@ -215,6 +185,8 @@ struct TopKRowArgs {
   float* logprobs;  // [rows, k]
   int64_t* ids;     // [rows, k]
   float* stats;     // [rows, kNumTopKLogprobsStats]
+  float* kth;       // [rows] or null: each row's k-th largest logit over the temperature (-inf where fewer than k
+                    // exceed -inf, NaN for a row without a distribution): the walk's threshold (topk_logprobs_cuda.cu)
 };
 
 // kSoftcap: a.cap > 0 (the transform's tanh kept out of the loop otherwise). static: one translation unit of
@@ -380,7 +352,10 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
       lp[j] = NAN;
       ids[j] = j;
     }
-    if (threadIdx.x == 0) stats[kLogNormalizer] = stats[kEntropy] = NAN;
+    if (threadIdx.x == 0) {
+      stats[kLogNormalizer] = stats[kEntropy] = NAN;
+      if (a.kth != nullptr) a.kth[row] = NAN;
+    }
     return;
   }
   const double log_sum = log(row_sums.sum), lse = row_sums.max + log_sum;
@@ -391,6 +366,7 @@ static __global__ void __launch_bounds__(kTopKRowThreads, topk_rows::kMinBlocksP
   if (threadIdx.x == 0) {
     stats[kLogNormalizer] = static_cast<float>(lse);
     stats[kEntropy] = static_cast<float>(log_sum - row_sums.centered / row_sums.sum);
+    if (a.kth != nullptr) a.kth[row] = sh.value[a.k - 1];  // padding (-inf) where fewer than k were kept
   }
 }
 

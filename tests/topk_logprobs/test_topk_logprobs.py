@@ -2,14 +2,16 @@
 log-probabilities, ids (ties to the lower id), log-normalizer and entropy; padding, the logit transforms,
 the non-finite rule, bad input and torch.compile. The chunked path (CUDA's for now) runs on the CPU too."""
 
+import contextlib
 import functools
 import math
+import os
 
 import pytest
 import torch
 
 import nitrobrew
-from conftest import CUDA
+from conftest import CUDA, DEV_BUILD
 from nitrobrew import reference
 from nitrobrew._topk_logprobs_chunked import topk_logprobs_chunked
 
@@ -31,9 +33,38 @@ def on_cuda(x, w, k, **options):
     return tuple(t.cpu() for t in nitrobrew.topk_logprobs(x.cuda(), w.cuda(), k, **options))
 
 
-IMPLEMENTATIONS = {"op": nitrobrew.topk_logprobs, "chunked": chunked, "cuda": on_cuda}
-# Every implementation: the CPU op, the chunked composite (on the CPU), the CUDA kernel.
-ALL = ["op", "chunked", pytest.param("cuda", marks=CUDA)]
+@contextlib.contextmanager
+def walk(setting):
+    """The CUDA op's path forced (a development build's NITROBREW_TOPK_LOGPROBS_WALK): "off" (the row kernel's), or
+    "SAMPLE:CAP", the walk with that sample and list capacity, float32 inputs included."""
+    old = os.environ.get("NITROBREW_TOPK_LOGPROBS_WALK")
+    os.environ["NITROBREW_TOPK_LOGPROBS_WALK"] = setting
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["NITROBREW_TOPK_LOGPROBS_WALK"]
+        else:
+            os.environ["NITROBREW_TOPK_LOGPROBS_WALK"] = old
+
+
+def on_cuda_walk(setting):
+    def run(x, w, k, **options):
+        with walk(setting):
+            return on_cuda(x, w, k, **options)
+    return run
+
+
+# The walk's settings under test: lists that hold every row's k best (a sample of 1024 columns, room for 8192
+# entries), and lists of 48 entries, which many rows overflow, so that the row kernel redoes them.
+WALK = "1024:8192"
+WALK_OVERFLOWING = "16:48"
+IMPLEMENTATIONS = {"op": nitrobrew.topk_logprobs, "chunked": chunked, "cuda": on_cuda,
+                   "cuda_walk": on_cuda_walk(WALK), "cuda_walk_overflowing": on_cuda_walk(WALK_OVERFLOWING)}
+# Every implementation: the CPU op, the chunked composite (on the CPU), the CUDA op (its path for the inputs),
+# and its walk path forced (a development build).
+CUDA_WALK = [pytest.param(name, marks=[CUDA, DEV_BUILD]) for name in ("cuda_walk", "cuda_walk_overflowing")]
+ALL = ["op", "chunked", pytest.param("cuda", marks=CUDA)] + CUDA_WALK
 
 
 def check(x, w, k, *, implementation=nitrobrew.topk_logprobs, atol=None, **options):
@@ -85,7 +116,9 @@ def problem(n, v, d, *, dtype=torch.float32, device="cpu", scale=1.0, seed=0):
 
 @pytest.mark.parametrize("implementation, dtype", [("op", torch.float32), ("op", torch.float64),
                                                    ("chunked", torch.float32),  # chunked and CUDA: 16/32-bit
-                                                   pytest.param("cuda", torch.float32, marks=CUDA)])
+                                                   pytest.param("cuda", torch.float32, marks=CUDA)]
+                         + [pytest.param(p.values[0], dtype, marks=p.marks) for p in CUDA_WALK
+                            for dtype in (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("k", [1, 5, 64, 301])
 def test_against_the_reference(implementation, dtype, k):
     x, w = problem(37, 1003, 24, dtype=dtype, scale=3.0)
@@ -313,9 +346,35 @@ def test_cuda_against_the_reference(dtype):
     bias = torch.randn(5003, device="cuda", dtype=dtype)
     for k in (1, 32, 256, 1024):
         check(x, w, k, bias=bias, temperature=0.8, vocab_size=4999)
+        if os.environ.get("NITROBREW_DEV_KNOBS") == "1":  # the walk, forced
+            with walk(WALK):
+                check(x, w, k, bias=bias, temperature=0.8, vocab_size=4999)
     lp, ids = nitrobrew.topk_logprobs(x, w, 32)
     cpu_lp, cpu_ids = nitrobrew.topk_logprobs(x.cpu(), w.cpu(), 32)
     torch.testing.assert_close(lp.cpu(), cpu_lp, rtol=0, atol=1e-4)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_walk_on_a_real_vocabulary(dtype):
+    # 16-bit inputs and a 40000-token vocabulary: the walk serves k <= 32 by default (a sample of 2048 columns),
+    # the row path k = 128.
+    x, w = problem(150, 40000, 64, dtype=dtype, device="cuda", scale=4.0, seed=7)
+    bias = torch.randn(40000, device="cuda", dtype=dtype)
+    for k in (1, 8, 32, 128):
+        check(x, w, k, bias=bias, temperature=0.9)
+    check(x, w, 32, softcap=20.0, logit_scale=1.5, vocab_size=39999)
+
+
+@CUDA
+@DEV_BUILD
+def test_cuda_walk_in_several_chunks_of_rows():
+    # Lists of 16384 entries a row: 4094 rows a chunk of 512 MiB, so 9000 rows take three chunks.
+    x, w = problem(9000, 2000, 16, dtype=torch.bfloat16, device="cuda", scale=3.0, seed=8)
+    with walk("64:16384"):
+        check(x, w, 12)
+    with walk("off"):
+        check(x, w, 12)
 
 
 @CUDA

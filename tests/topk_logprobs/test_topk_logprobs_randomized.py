@@ -1,5 +1,8 @@
 """Randomized cases of nitrobrew.topk_logprobs against the float64 reference; tests/randomized.py sets the
-count. The CPU draws also run the chunked path (CUDA's for now) on their 32-bit cases."""
+count. The CPU draws also run the chunked path (CUDA's for now) on their 32-bit cases; the CUDA draws of a
+development build also the walk path, forced."""
+
+import os
 
 import pytest
 import torch
@@ -29,5 +32,9 @@ def test_randomized(seed, device):
         w[1::2] = w[0:-1:2] if v % 2 == 1 else w[0::2]
     print(f"seed {seed}: n={n} v={v} d={d} k={k} {dtype} {options}")
     test_topk_logprobs.check(x, w, k, **options)
+    if device == "cuda" and os.environ.get("NITROBREW_DEV_KNOBS") == "1":  # the walk forced, lists full or not
+        setting = rng.choice([test_topk_logprobs.WALK, test_topk_logprobs.WALK_OVERFLOWING, "256:1024"])
+        with test_topk_logprobs.walk(setting):
+            test_topk_logprobs.check(x, w, k, **options)
     if device == "cpu" and dtype == torch.float32:
         test_topk_logprobs.check(x, w, k, implementation=test_topk_logprobs.chunked, **options)

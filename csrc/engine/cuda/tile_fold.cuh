@@ -1,6 +1,6 @@
 // Building blocks of the passes (vocab_walk.cuh) that know no loss: the fast exponential of
-// their sums, a quad shuffle, the running row maxima of a fold spread over a product's slabs, and
-// the buffer a gradient pass writes dLoss/dz into.
+// their sums, a quad shuffle, the running row maxima of a fold spread over a product's slabs, a
+// fragment's entry at a run-time index, and the buffer a gradient pass writes dLoss/dz into.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -40,6 +40,28 @@ __device__ __forceinline__ void row_max_piece(const Tile& z, int piece, float (&
       for (int e = 0; e < 2; ++e) v = fmaxf(v, z.at(2 * piece + jj, 2 * i + e));
     }
     m[i] = v;
+  }
+}
+
+// Whether a tile's entries can be read at a (j, k) known only at run time (ParkedTile, in shared
+// memory); a tile in registers is read through a select over its n-tiles instead.
+template <typename Tile, typename = void>
+constexpr bool kRuntimeIndex = false;
+template <typename Tile>
+constexpr bool kRuntimeIndex<Tile, std::void_t<decltype(Tile::kRuntimeIndex)>> = Tile::kRuntimeIndex;
+
+// Entry (j, 2 kI + e) of a thread's fragment, with j and e known only at run time.
+template <int kI, typename Tile>
+__device__ __forceinline__ float fragment_entry(const Tile& z, int j, int e) {
+  if constexpr (kRuntimeIndex<Tile>) {
+    return z.at(j, 2 * kI + e);
+  } else {
+    float v = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < Tile::kNTiles; ++jj) {
+      if (jj == j) v = e ? z.at(jj, 2 * kI + 1) : z.at(jj, 2 * kI);
+    }
+    return v;
   }
 }
 
