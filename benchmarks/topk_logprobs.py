@@ -6,9 +6,10 @@
 The teacher's hidden states xt [N, D] and unembedding wt [V, D] exist before the timed region. Methods, in
 one run, every (method, K) measured once per round over --rounds rounds:
   gemm              cuBLAS's one product xt @ wt.T in the inputs' dtype: the floor the target is a ratio to;
-  nitrobrew         nitrobrew.topk_logprobs (for 16-bit inputs and K up to V / 256, its walk path);
-  nitrobrew_rows    nitrobrew.topk_logprobs's row-kernel path (a development build's NITROBREW_TOPK_LOGPROBS_WALK=off):
-                    token chunks of cuBLAS float32 logits, each read once by a row kernel;
+  nitrobrew         nitrobrew.topk_logprobs (for 16-bit inputs, K <= 32 and V >= 8192 its walk path, else its row path);
+  nitrobrew_rows    nitrobrew.topk_logprobs's row path, forced by a development build's NITROBREW_TOPK_LOGPROBS_WALK=off
+                    (needs NITROBREW_DEV_KNOBS=1, as tools/gpu/check.sh builds and runs): token chunks of cuBLAS float32
+                    logits, each read once by a row kernel;
   naive_bf16        the logits in the inputs' dtype, log_softmax in float32, torch.topk;
   naive_float32     the logits from float32 inputs (the accurate one), log_softmax, torch.topk;
   chunked_naive     naive_bf16 over token chunks of 2048: the simplest bounded-memory composition;
@@ -52,6 +53,9 @@ def method_run(method, xt, wt, k):
     if method == "nitrobrew":
         return lambda: nitrobrew.topk_logprobs(xt, wt, k)
     if method == "nitrobrew_rows":
+        if os.environ.get("NITROBREW_DEV_KNOBS") != "1":  # a shipped build would time its default path instead
+            raise RuntimeError("nitrobrew_rows needs a development build run with NITROBREW_DEV_KNOBS=1")
+
         def rows_path():
             os.environ["NITROBREW_TOPK_LOGPROBS_WALK"] = "off"
             try:
@@ -84,7 +88,8 @@ def main():
     p.add_argument("--shape", nargs="+", default=SHAPES, help="N,V,D")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--topk", type=int, nargs="+", default=[8, 32, 128, 256])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    default_methods = [m for m in METHODS if m != "nitrobrew_rows" or os.environ.get("NITROBREW_DEV_KNOBS") == "1"]
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=default_methods)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)

@@ -4,13 +4,17 @@
 //    least k of the row's logits reach; one vocabulary walk (topk_walk_pass.cuh) then folds the tiles into the rows' sums and keeps the
 //    entries at or above tau (~k V / sample of them a row); a block per row selects the k best
 //    (topk_candidates_kernel.cuh). A row whose list came out short of k, past its capacity, or with non-finite sums
-//    is redone by the row path. No [N, V] products are stored.
+//    is redone by the row path (so each row's answer is exact for the logits of the path that served it; the two
+//    paths' products round differently in the last bits). No [N, V] products are stored. The flags are read on the
+//    host once a call, so a stream being captured into a CUDA graph takes the row path, which reads nothing back.
 //  - the row path (float32 inputs, k > 32, and the walk's flagged rows): token chunks of float32 logits from
 //    cuBLAS (products_f32), each read once by topk_rows_kernel (topk_rows_kernel.cuh), a block per row.
 // Memory beyond the outputs: one chunk of float32 products (the row path) or of sample products and candidate
-// lists (the walk), at most kChunkBytes.
+// lists (the walk), at most kChunkBytes; on the walk also the sample's rows of w (2048 x D) and the splits' sums
+// (24 bytes a row and split).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -120,7 +124,8 @@ at::Tensor thresholds(const at::Tensor& x, const at::Tensor& w_sample, const at:
                       const TopKLogprobsParams& p, at::Tensor& z) {
   const int64_t rows = x.size(0), sample = w_sample.size(0), k = p.k;
   const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor tau = at::empty({rows}, f32), lp = at::empty({rows, k}, f32), st = at::empty({rows, 2}, f32);
+  at::Tensor tau = at::empty({rows}, f32), lp = at::empty({rows, k}, f32);
+  at::Tensor st = at::empty({rows, kNumTopKLogprobsStats}, f32);
   at::Tensor ids = at::empty({rows, k}, x.options().dtype(at::kLong));
   products_f32(x, w_sample, sample, z.data_ptr<float>(), z.size(1));
   TopKRowArgs a = row_args(p, z, sample, bias_sample);
@@ -205,7 +210,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_logprobs_cuda(const at::Tens
   const at::Tensor xc = unit_stride_rows(x), wc = w.contiguous();
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   WalkPlan plan;
-  if (!use_walk(xc, k, vocab, plan)) {
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  if (capturing || !use_walk(xc, k, vocab, plan)) {
     row_path(xc, wc, bias_f, p, k, logprobs, ids, stats);
     return {logprobs, ids, stats};
   }
