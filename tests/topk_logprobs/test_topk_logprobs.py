@@ -366,6 +366,65 @@ def test_cuda_walk_on_a_real_vocabulary(dtype):
     check(x, w, 32, softcap=20.0, logit_scale=1.5, vocab_size=39999)
 
 
+def cuda_kernels(fn):
+    """The names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@CUDA
+def test_cuda_path_choice():
+    # The walk (its selection kernel) for 16-bit inputs at k <= 32 on a vocabulary of 8192 or more; the row kernel
+    # alone otherwise. So that the walk's tests cannot pass on the row path.
+    x, w = problem(64, 40000, 32, dtype=torch.bfloat16, device="cuda", seed=9)
+
+    def walked(x, w, k):
+        return any("topk_candidates_kernel" in name for name in cuda_kernels(lambda: nitrobrew.topk_logprobs(x, w, k)))
+
+    assert walked(x, w, 8) and walked(x, w, 32)
+    assert not walked(x, w, 33) and not walked(x.float(), w.float(), 8) and not walked(x[:, :], w[:8000], 8)
+
+
+@CUDA
+@DEV_BUILD
+def test_cuda_walk_overflow_takes_the_row_path():
+    # Lists of 48 entries at a sample of 16 columns: most rows overflow, and the row kernel redoes them after the
+    # threshold's own launch; forced off, the walk's kernels do not run.
+    x, w = problem(40, 3000, 16, dtype=torch.bfloat16, device="cuda", scale=2.0, seed=10)
+    with walk(WALK_OVERFLOWING):
+        names = cuda_kernels(lambda: nitrobrew.topk_logprobs(x, w, 5))
+        check(x, w, 5)
+    assert any("topk_candidates_kernel" in n for n in names)
+    assert sum("topk_rows_kernel" in n for n in names) == 2
+    with walk("off"):
+        names = cuda_kernels(lambda: nitrobrew.topk_logprobs(x, w, 5))
+    assert not any("topk_candidates_kernel" in n for n in names)
+
+
+@CUDA
+def test_cuda_graph_capture():
+    # The walk reads its flags on the host, which a stream being captured cannot: captured, the op takes the row
+    # path, and the graph's replay gives the eager outputs.
+    x, w = problem(64, 40000, 32, dtype=torch.bfloat16, device="cuda", seed=11)
+    eager = nitrobrew.topk_logprobs(x, w, 8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        nitrobrew.topk_logprobs(x, w, 8)  # warm-up on a side stream, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nitrobrew.topk_logprobs(x, w, 8)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured[0], eager[0], rtol=0, atol=1e-4)
+    assert (captured[1] == eager[1]).float().mean() > 0.99  # the paths' products may swap near-ties
+
+
 @CUDA
 @DEV_BUILD
 def test_cuda_walk_in_several_chunks_of_rows():
